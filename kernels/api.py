@@ -1,0 +1,238 @@
+"""`attention(...)`: the public entry point, shaped like `jax.nn.dot_product_attention`.
+
+It validates inputs, pads the sequence to whole blocks, runs the certificate pre-pass
+(stabilizer.py), and dispatches forward and backward to one backend through a single
+`jax.custom_vjp`. Backends: "pallas_tpu" (Mosaic TPU), "pallas_gpu" (Triton),
+"reference" (blockwise pure JAX), "xla" (dense, for comparison only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from clis_kernels import masks, reference, stabilizer
+
+
+class Backend(NamedTuple):
+  forward: Callable
+  backward: Callable
+  block_sizes_type: type
+  default_block_sizes: Callable[[int, int], Any]
+  platforms: tuple[str, ...]  # platforms that run it compiled (others need interpret=True)
+
+
+def _pallas_gpu() -> Backend:
+  from clis_kernels import pallas_gpu, pallas_gpu_vjp
+  return Backend(pallas_gpu.forward, pallas_gpu_vjp.backward, pallas_gpu.BlockSizes,
+                 pallas_gpu.default_block_sizes, ("gpu",))
+
+
+def _pallas_tpu() -> Backend:
+  from clis_kernels import pallas_tpu, pallas_tpu_vjp
+  return Backend(pallas_tpu.forward, pallas_tpu_vjp.backward, pallas_tpu.BlockSizes,
+                 pallas_tpu.default_block_sizes, ("tpu",))
+
+
+def _reference() -> Backend:
+  return Backend(reference.forward, reference.backward, reference.BlockSizes,
+                 reference.default_block_sizes, ("cpu", "gpu", "tpu"))
+
+
+BACKENDS: dict[str, Callable[[], Backend]] = {
+    "pallas_tpu": _pallas_tpu,
+    "pallas_gpu": _pallas_gpu,
+    "reference": _reference,
+}
+IMPLEMENTATIONS = (*BACKENDS, "xla")
+STABILIZERS = ("clis", "online")
+GRANULARITIES = ("tile", "head")
+_AUTO = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cpu": "reference"}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionStats:
+  """What the certificate decided.
+
+  certified_tiles: [B, Hq, num_q_blocks] bool, tile ran the fixed stabilizer.
+  certified_fraction: scalar, fraction of certified tiles.
+  certified_fraction_per_head: [Hq], the same per query head.
+  """
+
+  certified_tiles: jax.Array
+  certified_fraction: jax.Array
+  certified_fraction_per_head: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  """Everything the custom_vjp closes over (hashable)."""
+
+  backend: str
+  causal: bool
+  scale: float
+  kv_len: int | None
+  block_sizes: Any
+  interpret: bool
+
+
+def _platform() -> str:
+  return jax.devices()[0].platform
+
+
+def _resolve_implementation(implementation, interpret) -> str:
+  if implementation is None:
+    return _AUTO.get(_platform(), "reference")
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"{implementation=} is not one of {IMPLEMENTATIONS} (or None for automatic)")
+  if implementation in BACKENDS and not interpret:
+    platforms = BACKENDS[implementation]().platforms
+    if _platform() not in platforms:
+      raise ValueError(
+          f"{implementation=} needs a {'/'.join(platforms).upper()} device but this platform is "
+          f"{_platform()!r}: pass interpret=True to run it in Pallas interpret mode, or "
+          "implementation='reference'")
+  return implementation
+
+
+def _validate(q, k, v, segment_ids, causal, stabilizer_name, granularity, tau):
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    if x.ndim != 4:
+      raise ValueError(f"{name} must be [batch, seq, heads, head_dim]; got {name}.shape={x.shape}")
+    if x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+      raise ValueError(f"{name}.dtype={x.dtype} must be float32, bfloat16 or float16")
+  if not (q.dtype == k.dtype == v.dtype):
+    raise ValueError(f"q, k, v must share a dtype; got {q.dtype=}, {k.dtype=}, {v.dtype=}")
+  if k.shape != v.shape:
+    raise ValueError(f"k and v must have the same shape; got {k.shape=}, {v.shape=}")
+  if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+    raise ValueError(f"q and k must agree in batch and head_dim; got {q.shape=}, {k.shape=}")
+  if q.shape[2] % k.shape[2]:
+    raise ValueError(f"query heads Hq={q.shape[2]} must be a multiple of kv heads Hkv={k.shape[2]} (GQA/MQA)")
+  if (causal or segment_ids is not None) and q.shape[1] != k.shape[1]:
+    raise ValueError(f"causal or packed attention needs equal q and k lengths; got {q.shape[1]=}, {k.shape[1]=}")
+  if segment_ids is not None:
+    if segment_ids.shape != q.shape[:2]:
+      raise ValueError(f"segment_ids must be [batch, seq]={q.shape[:2]}; got {segment_ids.shape=}")
+    if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+      raise ValueError(f"segment_ids must be an integer array (0 = padding); got {segment_ids.dtype=}")
+  if stabilizer_name not in STABILIZERS:
+    raise ValueError(f"stabilizer={stabilizer_name!r} must be one of {STABILIZERS}")
+  if granularity not in GRANULARITIES:
+    raise ValueError(f"{granularity=} must be one of {GRANULARITIES}")
+  if not tau > 0:
+    raise ValueError(f"{tau=} must be positive (natural-log units; default 64.0)")
+
+
+def _pad_seq(x, multiple, value=0):
+  pad = -x.shape[1] % multiple
+  if not pad:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[1] = (0, pad)
+  return jnp.pad(x, widths, constant_values=value)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attend(static: _Static, q, k, v, segment_ids, cert):
+  return _attend_fwd(static, q, k, v, segment_ids, cert)[0]
+
+
+def _attend_fwd(static, q, k, v, segment_ids, cert):
+  backend = BACKENDS[static.backend]()
+  o, lse = backend.forward(q, k, v, segment_ids, cert, causal=static.causal, scale=static.scale,
+                           kv_len=static.kv_len, block_sizes=static.block_sizes, interpret=static.interpret)
+  return o, (q, k, v, segment_ids, cert, o, lse)
+
+
+def _attend_bwd(static, residuals, do):
+  q, k, v, segment_ids, cert, o, lse = residuals
+  backend = BACKENDS[static.backend]()
+  dq, dk, dv = backend.backward(q, k, v, segment_ids, o, lse, do, causal=static.causal, scale=static.scale,
+                                kv_len=static.kv_len, block_sizes=static.block_sizes,
+                                interpret=static.interpret)
+  zero_cert = None if cert is None else jax.tree.map(
+      lambda x: jnp.zeros_like(x) if jnp.issubdtype(x.dtype, jnp.floating) else None, cert)
+  return dq, dk, dv, None, zero_cert
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+def _xla_attention(q, k, v, segment_ids, *, causal, scale):
+  """Dense jax.nn attention under the same mask convention (padding rows return 0)."""
+  mask = None
+  if segment_ids is not None:
+    mask = masks.visible(jnp.arange(q.shape[1]), jnp.arange(k.shape[1]), None, None, causal=causal, kv_len=None)
+    seg = jax.vmap(lambda s: masks.visible(jnp.arange(s.shape[0]), jnp.arange(s.shape[0]), s, s,
+                                           causal=causal, kv_len=None))(segment_ids)
+    mask = seg[:, None]
+    causal = False
+  out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, scale=scale, implementation="xla")
+  if segment_ids is not None:
+    out = jnp.where((segment_ids != 0)[:, :, None, None], out, 0)
+  return out
+
+
+def attention(q, k, v, segment_ids=None, *, causal=True, scale=None, stabilizer="clis", granularity="tile",
+              tau=64.0, implementation=None, block_sizes=None, interpret=False, return_stats=False):
+  """CLiS attention. q [B, S, Hq, D]; k, v [B, S, Hkv, D] with Hq a multiple of Hkv.
+
+  segment_ids: [B, S] int for packed sequences; a query sees keys of its own id only, and
+    id 0 marks padding (such rows return 0).
+  stabilizer: "clis" (fixed certified stabilizer, online fallback per tile or head) or
+    "online" (the same kernel's online softmax: the speed baseline).
+  granularity: "tile" (batch, head, q-block) or "head" (batch, head) certification.
+  tau: cap on the certified gap U − L between a row's bound and its lower bound, in
+    natural-log units (the dtype's own limit h + T from stabilizer.py applies too).
+  implementation: None (TPU → "pallas_tpu", NVIDIA GPU → "pallas_gpu", CPU → "reference"),
+    or one of "pallas_tpu", "pallas_gpu", "reference", "xla".
+  block_sizes: the backend's BlockSizes dataclass (default: its heuristics).
+  interpret: run a Pallas backend in Pallas interpret mode (on the CPU).
+  Returns the output shaped like q, and with return_stats=True also an AttentionStats.
+  """
+  _validate(q, k, v, segment_ids, causal, stabilizer, granularity, tau)
+  impl = _resolve_implementation(implementation, interpret)
+  scale = float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+  if impl == "xla":
+    if block_sizes is not None:
+      raise ValueError("block_sizes has no meaning for implementation='xla'; leave it None")
+    out = _xla_attention(q, k, v, segment_ids, causal=causal, scale=scale)
+    if not return_stats:
+      return out
+    none = jnp.zeros((q.shape[0], q.shape[2], 1), bool)
+    return out, AttentionStats(none, jnp.zeros(()), jnp.zeros(q.shape[2]))
+
+  backend = BACKENDS[impl]()
+  seq_len, kv_seq_len = q.shape[1], k.shape[1]
+  if block_sizes is None:
+    block_sizes = backend.default_block_sizes(q.shape[-1], max(seq_len, kv_seq_len))
+  elif not isinstance(block_sizes, backend.block_sizes_type):
+    raise ValueError(f"block_sizes for implementation={impl!r} must be "
+                     f"{backend.block_sizes_type.__module__}.BlockSizes; got {type(block_sizes).__name__}")
+  multiple = block_sizes.multiple
+  qp, kp, vp = _pad_seq(q, multiple), _pad_seq(k, multiple), _pad_seq(v, multiple)
+  segp = None if segment_ids is None else _pad_seq(segment_ids.astype(jnp.int32), multiple)
+  needs_kv_mask = kp.shape[1] != kv_seq_len and not causal and segment_ids is None
+  static = _Static(impl, bool(causal), scale, kv_seq_len if needs_kv_mask else None, block_sizes, bool(interpret))
+
+  cert = None
+  if stabilizer == "clis":
+    cert = stabilizer_module.certify(qp, kp, vp, segp, causal=causal, scale=scale, tau=float(tau),
+                                     granularity=granularity, block_q=block_sizes.tile, seq_len=kv_seq_len)
+  out = _attend(static, qp, kp, vp, segp, cert)[:, :seq_len]
+  if not return_stats:
+    return out
+  num_tiles = qp.shape[1] // block_sizes.tile
+  tiles = cert.certified if cert is not None else jnp.zeros((q.shape[0], q.shape[2], num_tiles), bool)
+  frac = tiles.astype(jnp.float32)
+  return out, AttentionStats(tiles, frac.mean(), frac.mean(axis=(0, 2)))
+
+
+stabilizer_module = stabilizer

@@ -1,0 +1,190 @@
+"""CLiS attention forward as a Pallas Triton kernel (NVIDIA GPUs).
+
+Grid (q_block, batch, q_head); each program owns one [block_q, D] query tile and walks
+the KV sequence. A certified tile runs the fixed-stabilizer loop (no row max, no
+rescale); otherwise the same program runs the online softmax. Under the causal mask the
+loop is split into the blocks wholly below the diagonal (no mask) and the few that
+straddle it. Causal q tiles are visited last-first so the longest ones start early.
+Layout: q [B, S, Hq, D], k/v [B, S, Hkv, D] (the API's, no transposes); lse [B, Hq, S].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from clis_kernels import masks
+from clis_kernels.stabilizer import EMPTY_LSE, LOG2E, NEG, Certificate
+
+
+def _is_pow2(x: int) -> bool:
+  return x >= 1 and not x & (x - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Tiles and launch shape of the forward (block_q, block_k) and backward kernels."""
+
+  block_q: int = 128
+  block_k: int = 64
+  num_warps: int = 8
+  num_stages: int = 3
+  block_q_dq: int = 64
+  block_k_dq: int = 64
+  block_q_dkv: int = 64
+  block_k_dkv: int = 64
+  num_warps_bwd: int = 4
+  num_stages_bwd: int = 2
+
+  def __post_init__(self):
+    for field in dataclasses.fields(self):
+      value = getattr(self, field.name)
+      if field.name.startswith("block") and not (_is_pow2(value) and value >= 16):
+        raise ValueError(f"{field.name}={value} must be a power of two >= 16 (Triton tiles)")
+      if field.name.startswith("num_warps") and value not in (1, 2, 4, 8, 16):
+        raise ValueError(f"{field.name}={value} must be one of 1, 2, 4, 8, 16")
+      if field.name.startswith("num_stages") and value < 1:
+        raise ValueError(f"{field.name}={value} must be >= 1")
+
+  @property
+  def tile(self) -> int:
+    return self.block_q
+
+  @property
+  def multiple(self) -> int:
+    return max(getattr(self, f.name) for f in dataclasses.fields(self) if f.name.startswith("block"))
+
+
+def default_block_sizes(head_dim: int, seq_len: int) -> BlockSizes:
+  """Tiles per head dim, shrunk for short sequences."""
+  cap = max(16, 1 << (max(seq_len, 1) - 1).bit_length())
+  fit = lambda b: min(b, cap)
+  if head_dim <= 64:
+    return BlockSizes(fit(128), fit(64), 4, 3, fit(64), fit(64), fit(64), fit(64), 4, 2)
+  if head_dim <= 128:
+    return BlockSizes(fit(128), fit(64), 8, 3, fit(64), fit(64), fit(64), fit(64), 4, 2)
+  return BlockSizes(fit(64), fit(32), 8, 2, fit(32), fit(32), fit(32), fit(32), 4, 1)
+
+
+def dot_precision(dtype):
+  """f32 inputs get true f32 products (not tf32); low precision uses the tensor cores."""
+  return lax.Precision.HIGHEST if dtype == jnp.float32 else None
+
+
+def _fwd_kernel(*refs, has_segments: bool, fixed_mode: bool, causal: bool, sigma2: float, block_q: int, block_k: int,
+                kv_len: int | None, num_q_blocks: int, precision):
+  q_ref, k_ref, v_ref = refs[:3]
+  qseg_ref, kseg_ref = refs[3:5] if has_segments else (None, None)
+  m_ref, cert_ref, o_ref, lse_ref = refs[-4:]
+  pid = pl.program_id(0)
+  q_block = num_q_blocks - 1 - pid if causal else pid
+  num_kv_blocks = k_ref.shape[0] // block_k
+  q = q_ref[...]
+  q_pos = q_block * block_q + jnp.arange(block_q)
+  q_seg = None if qseg_ref is None else qseg_ref[...]
+
+  def scores(start_k, masked):
+    k = k_ref[pl.ds(start_k * block_k, block_k), :]
+    s = plgpu.dot(q, k, trans_b=True, precision=precision) * sigma2
+    if masked:
+      k_pos = start_k * block_k + jnp.arange(block_k)
+      k_seg = None if kseg_ref is None else kseg_ref[pl.ds(start_k * block_k, block_k)]
+      mask = masks.visible(q_pos, k_pos, q_seg, k_seg, causal=causal, kv_len=kv_len)
+      s = s if mask is None else jnp.where(mask, s, NEG)
+    return s
+
+  def pv(p, start_k):
+    v = v_ref[pl.ds(start_k * block_k, block_k), :]
+    return plgpu.dot(p.astype(v.dtype), v, precision=precision)
+
+  def fixed_body(start_k, carry, masked):
+    acc, m, l = carry
+    p = jnp.exp2(scores(start_k, masked) - m[:, None])
+    return acc + pv(p, start_k), m, l + p.sum(axis=1)
+
+  def online_body(start_k, carry, masked):
+    acc, m, l = carry
+    s = scores(start_k, masked)
+    m_new = jnp.maximum(m, s.max(axis=1))
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(s - m_new[:, None])
+    return acc * alpha[:, None] + pv(p, start_k), m_new, l * alpha + p.sum(axis=1)
+
+  # Blocks [0, num_full) need no mask unless segments hide keys; [num_full, num_total) do.
+  if causal:
+    num_full, num_total = masks.causal_kv_blocks(q_block, block_q=block_q, block_k=block_k,
+                                                  num_kv_blocks=num_kv_blocks, div=lax.div)
+  else:
+    num_total = num_kv_blocks
+    num_full = num_kv_blocks - 1 if kv_len is not None else num_kv_blocks
+  always_masked = qseg_ref is not None
+
+  def run(body, m0):
+    carry = (jnp.zeros(o_ref.shape, jnp.float32), m0, jnp.zeros((block_q,), jnp.float32))
+    carry = lax.fori_loop(0, num_full, functools.partial(body, masked=always_masked), carry)
+    return lax.fori_loop(num_full, num_total, functools.partial(body, masked=True), carry)
+
+  online = lambda: run(online_body, jnp.full((block_q,), NEG, jnp.float32))
+  if fixed_mode:
+    certified = jnp.sum(cert_ref[...]) > 0
+    acc, m, l = lax.cond(certified, lambda: run(fixed_body, m_ref[...]), online)
+  else:
+    acc, m, l = online()
+
+  empty = (l == 0.0) | (m == NEG)
+  l_safe = jnp.where(empty, 1.0, l)
+  o_ref[...] = jnp.where(empty[:, None], 0.0, acc / l_safe[:, None]).astype(o_ref.dtype)
+  lse_ref[...] = jnp.where(empty, EMPTY_LSE, m + jnp.log2(l_safe))
+
+
+def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv_len, block_sizes: BlockSizes,
+            interpret=False):
+  """Returns (o [B, S, Hq, D], lse [B, Hq, S] f32 base 2)."""
+  batch, seq, num_heads, head_dim = q.shape
+  group = num_heads // k.shape[2]
+  bq, bk = block_sizes.block_q, block_sizes.block_k
+  nq = seq // bq
+  if not _is_pow2(head_dim) or head_dim < 16:
+    raise ValueError(f"{head_dim=} must be a power of two >= 16 for implementation='pallas_gpu'")
+  qmap = (lambda i, b, h: (b, nq - 1 - i, h, 0)) if causal else (lambda i, b, h: (b, i, h, 0))
+  rowmap = (lambda i, b, h: (b, h, nq - 1 - i)) if causal else (lambda i, b, h: (b, h, i))
+  kvmap = lambda i, b, h: (b, 0, h // group, 0)
+  seg_q_map = (lambda i, b, h: (b, nq - 1 - i)) if causal else (lambda i, b, h: (b, i))
+
+  fixed_mode = cert is not None
+  if fixed_mode:
+    m_in, cert_in = cert.m, cert.certified.astype(jnp.int32)
+  else:  # placeholders keep one kernel signature; the online kernel never reads them
+    m_in, cert_in = jnp.zeros((batch, num_heads, seq), jnp.float32), jnp.zeros((batch, num_heads, nq), jnp.int32)
+  has_seg = segment_ids is not None
+  kernel = functools.partial(
+      _fwd_kernel, has_segments=has_seg, fixed_mode=fixed_mode, causal=causal, sigma2=scale * LOG2E, block_q=bq, block_k=bk, kv_len=kv_len,
+      num_q_blocks=nq, precision=dot_precision(q.dtype))
+  in_specs = [
+      pl.BlockSpec((None, bq, None, head_dim), qmap),
+      pl.BlockSpec((None, seq, None, head_dim), kvmap),
+      pl.BlockSpec((None, seq, None, head_dim), kvmap),
+  ]
+  args = [q, k, v]
+  if has_seg:
+    in_specs += [pl.BlockSpec((None, bq), seg_q_map), pl.BlockSpec((None, seq), lambda i, b, h: (b, 0))]
+    args += [segment_ids, segment_ids]
+  in_specs += [pl.BlockSpec((None, None, bq), rowmap), pl.BlockSpec((None, None, 1), rowmap)]
+  args += [m_in, cert_in]
+  return pl.pallas_call(
+      kernel,
+      grid=(nq, batch, num_heads),
+      in_specs=in_specs,
+      out_specs=[pl.BlockSpec((None, bq, None, head_dim), qmap), pl.BlockSpec((None, None, bq), rowmap)],
+      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+                 jax.ShapeDtypeStruct((batch, num_heads, seq), jnp.float32)],
+      compiler_params=plgpu.CompilerParams(num_warps=block_sizes.num_warps, num_stages=block_sizes.num_stages),
+      interpret=interpret,
+      name="clis_fwd" if fixed_mode else "online_fwd",
+  )(*args)

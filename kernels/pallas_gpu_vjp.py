@@ -1,0 +1,170 @@
+"""CLiS attention backward as Pallas Triton kernels (FlashAttention-2 style, from the saved lse).
+
+No max anywhere: P = 2^(σ₂·q·kᵀ − lse), dP = dO·Vᵀ, dS = P∘(dP − Δ) with Δ = rowsum(dO∘O),
+dQ = σ·dS·K, dK = σ·dSᵀ·Q, dV = Pᵀ·dO. Two kernels:
+  dq:  grid (q_block, batch, q_head), loop over kv blocks (causal: up to the diagonal);
+  dkv: grid (kv_block, batch, kv_head), loop over the group's query heads and q blocks,
+       so GQA sums dK and dV in registers instead of in a second pass.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from clis_kernels import masks
+from clis_kernels.pallas_gpu import BlockSizes, dot_precision
+from clis_kernels.stabilizer import LOG2E, NEG
+
+
+def _split(refs, has_segments, num_in):
+  ins, outs = refs[:num_in], refs[num_in:]
+  if has_segments:
+    return ins[:-2], ins[-2], ins[-1], outs
+  return ins, None, None, outs
+
+
+def _probabilities(q, k, lse, q_pos, k_pos, q_seg, k_seg, *, masked, causal, kv_len, sigma2, precision):
+  s = plgpu.dot(q, k, trans_b=True, precision=precision) * sigma2
+  mask = masks.visible(q_pos, k_pos, q_seg, k_seg, causal=causal, kv_len=kv_len) if masked else None
+  if mask is not None:
+    s = jnp.where(mask, s, NEG)
+  return jnp.exp2(s - lse[:, None])
+
+
+def _dq_kernel(*refs, has_segments, causal, sigma2, scale, block_q, block_k, kv_len, precision):
+  (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), qseg_ref, kseg_ref, (dq_ref,) = _split(
+      refs, has_segments, 8 if has_segments else 6)
+  q_block = pl.program_id(0)
+  num_kv_blocks = k_ref.shape[0] // block_k
+  q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
+  q_pos = q_block * block_q + jnp.arange(block_q)
+  q_seg = None if qseg_ref is None else qseg_ref[...]
+
+  def body(start_k, dq, masked):
+    kv_slice = pl.ds(start_k * block_k, block_k)
+    k, v = k_ref[kv_slice, :], v_ref[kv_slice, :]
+    k_seg = None if kseg_ref is None else kseg_ref[kv_slice]
+    p = _probabilities(q, k, lse, q_pos, start_k * block_k + jnp.arange(block_k), q_seg, k_seg, masked=masked,
+                       causal=causal, kv_len=kv_len, sigma2=sigma2, precision=precision)
+    dp = plgpu.dot(do, v, trans_b=True, precision=precision)
+    ds = p * (dp - delta[:, None])
+    return dq + plgpu.dot(ds.astype(k.dtype), k, precision=precision)
+
+  if causal:
+    num_full, num_total = masks.causal_kv_blocks(q_block, block_q=block_q, block_k=block_k,
+                                                  num_kv_blocks=num_kv_blocks, div=lax.div)
+  else:
+    num_total = num_kv_blocks
+    num_full = num_kv_blocks - 1 if kv_len is not None else num_kv_blocks
+  dq = jnp.zeros(dq_ref.shape, jnp.float32)
+  dq = lax.fori_loop(0, num_full, functools.partial(body, masked=has_segments), dq)
+  dq = lax.fori_loop(num_full, num_total, functools.partial(body, masked=True), dq)
+  dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(*refs, has_segments, causal, sigma2, scale, block_q, block_k, kv_len, group, precision):
+  (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), qseg_ref, kseg_ref, (dk_ref, dv_ref) = _split(
+      refs, has_segments, 8 if has_segments else 6)
+  kv_block = pl.program_id(0)
+  num_q_blocks = q_ref.shape[0] // block_q
+  k, v = k_ref[...], v_ref[...]
+  k_pos = kv_block * block_k + jnp.arange(block_k)
+  k_seg = None if kseg_ref is None else kseg_ref[...]
+
+  def body(q_block, carry, head, masked):
+    dk, dv = carry
+    q_slice = pl.ds(q_block * block_q, block_q)
+    q, do = q_ref[q_slice, head, :], do_ref[q_slice, head, :]
+    lse, delta = lse_ref[head, q_slice], delta_ref[head, q_slice]
+    q_seg = None if qseg_ref is None else qseg_ref[q_slice]
+    p = _probabilities(q, k, lse, q_block * block_q + jnp.arange(block_q), k_pos, q_seg, k_seg, masked=masked,
+                       causal=causal, kv_len=kv_len, sigma2=sigma2, precision=precision)
+    dv = dv + plgpu.dot(p.astype(do.dtype), do, trans_a=True, precision=precision)
+    dp = plgpu.dot(do, v, trans_b=True, precision=precision)
+    ds = p * (dp - delta[:, None])
+    dk = dk + plgpu.dot(ds.astype(q.dtype), q, trans_a=True, precision=precision)
+    return dk, dv
+
+  if causal:
+    first, first_full = masks.causal_q_blocks(kv_block, block_q=block_q, block_k=block_k,
+                                               num_q_blocks=num_q_blocks, div=lax.div)
+  else:
+    first = first_full = 0
+  masked_tail = kv_len is not None  # non-causal block padding: the last kv block hides keys
+
+  def per_head(head, carry):
+    carry = lax.fori_loop(first, first_full, functools.partial(body, head=head, masked=True), carry)
+    return lax.fori_loop(first_full, num_q_blocks,
+                         functools.partial(body, head=head, masked=has_segments or masked_tail), carry)
+
+  zeros = jnp.zeros(dk_ref.shape, jnp.float32)
+  dk, dv = lax.fori_loop(0, group, per_head, (zeros, zeros))
+  dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
+  dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def backward(q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_sizes: BlockSizes,
+             interpret=False):
+  """Returns (dq, dk, dv) shaped like q, k, v."""
+  batch, seq, num_heads, head_dim = q.shape
+  num_kv_heads = k.shape[2]
+  group = num_heads // num_kv_heads
+  delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32))
+  has_seg = segment_ids is not None
+  common = dict(has_segments=has_seg, causal=causal, sigma2=scale * LOG2E, scale=scale, kv_len=kv_len,
+                precision=dot_precision(q.dtype))
+  params = plgpu.CompilerParams(num_warps=block_sizes.num_warps_bwd, num_stages=block_sizes.num_stages_bwd)
+
+  bq, bk = block_sizes.block_q_dq, block_sizes.block_k_dq
+  row = lambda i, b, h: (b, i, h, 0)
+  full_kv = lambda i, b, h: (b, 0, h // group, 0)
+  in_specs = [
+      pl.BlockSpec((None, bq, None, head_dim), row),
+      pl.BlockSpec((None, seq, None, head_dim), full_kv),
+      pl.BlockSpec((None, seq, None, head_dim), full_kv),
+      pl.BlockSpec((None, bq, None, head_dim), row),
+      pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)),
+      pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)),
+  ]
+  args = [q, k, v, do, lse, delta]
+  if has_seg:
+    in_specs += [pl.BlockSpec((None, bq), lambda i, b, h: (b, i)), pl.BlockSpec((None, seq), lambda i, b, h: (b, 0))]
+    args += [segment_ids, segment_ids]
+  dq = pl.pallas_call(
+      functools.partial(_dq_kernel, block_q=bq, block_k=bk, **common),
+      grid=(seq // bq, batch, num_heads),
+      in_specs=in_specs,
+      out_specs=pl.BlockSpec((None, bq, None, head_dim), row),
+      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      compiler_params=params, interpret=interpret, name="clis_bwd_dq",
+  )(*args)
+
+  bq, bk = block_sizes.block_q_dkv, block_sizes.block_k_dkv
+  kv_row = lambda i, b, h: (b, i, h, 0)
+  group_rows = lambda i, b, h: (b, 0, h, 0)  # the group's query heads, whole sequence
+  group_stats = lambda i, b, h: (b, h, 0)
+  in_specs = [
+      pl.BlockSpec((None, seq, group, head_dim), group_rows),
+      pl.BlockSpec((None, bk, None, head_dim), kv_row),
+      pl.BlockSpec((None, bk, None, head_dim), kv_row),
+      pl.BlockSpec((None, seq, group, head_dim), group_rows),
+      pl.BlockSpec((None, group, seq), group_stats),
+      pl.BlockSpec((None, group, seq), group_stats),
+  ]
+  if has_seg:
+    in_specs += [pl.BlockSpec((None, seq), lambda i, b, h: (b, 0)), pl.BlockSpec((None, bk), lambda i, b, h: (b, i))]
+  dk, dv = pl.pallas_call(
+      functools.partial(_dkv_kernel, block_q=bq, block_k=bk, group=group, **common),
+      grid=(seq // bk, batch, num_kv_heads),
+      in_specs=in_specs,
+      out_specs=[pl.BlockSpec((None, bk, None, head_dim), kv_row), pl.BlockSpec((None, bk, None, head_dim), kv_row)],
+      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      compiler_params=params, interpret=interpret, name="clis_bwd_dkv",
+  )(*args)
+  return dq, dk, dv

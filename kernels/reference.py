@@ -1,0 +1,149 @@
+"""Blockwise pure-JAX CLiS attention: the same algorithm as the kernels, for CPU and tests.
+
+All query rows are processed at once; the loop runs over KV blocks. A row of a certified
+tile keeps its fixed stabilizer M (no max, no rescale); other rows run the online softmax.
+Both cases are one formula: m_new = M on fixed rows, max(m, rowmax) elsewhere.
+Layout: q [B, S, Hq, D], k/v [B, S, Hkv, D]; lse is base 2, [B, Hq, S].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from clis_kernels import masks
+from clis_kernels.stabilizer import EMPTY_LSE, LOG2E, NEG, Certificate
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Tiles of the reference: block_q is the certificate's tile, block_k the loop step."""
+
+  block_q: int = 128
+  block_k: int = 128
+
+  def __post_init__(self):
+    for name in ("block_q", "block_k"):
+      value = getattr(self, name)
+      if value < 1 or value & (value - 1):
+        raise ValueError(f"{name}={value} must be a power of two")
+
+  @property
+  def tile(self) -> int:
+    return self.block_q
+
+  @property
+  def multiple(self) -> int:
+    """Sequence lengths are padded to a multiple of this."""
+    return max(self.block_q, self.block_k)
+
+
+def default_block_sizes(head_dim: int, seq_len: int) -> BlockSizes:
+  del head_dim
+  cap = max(16, 1 << (seq_len - 1).bit_length())
+  return BlockSizes(block_q=min(128, cap), block_k=min(128, cap))
+
+
+def _precision(dtype):
+  return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else jax.lax.Precision.DEFAULT
+
+
+def _grouped(q, num_kv_heads):
+  b, s, hq, d = q.shape
+  return q.reshape(b, s, num_kv_heads, hq // num_kv_heads, d)
+
+
+def _kv_blocks(x, block_k):
+  b, s, h, d = x.shape
+  return x.reshape(b, s // block_k, block_k, h, d).swapaxes(0, 1)  # [nk, B, bk, H, D]
+
+
+def _block_mask(segment_ids, start_k, block_k, num_q, *, causal, kv_len):
+  """[B or 1, Sq, bk] visibility of one kv block."""
+  q_pos = jnp.arange(num_q)
+  k_pos = start_k + jnp.arange(block_k)
+  if segment_ids is None:
+    return masks.visible(q_pos, k_pos, None, None, causal=causal, kv_len=kv_len)[None]
+  k_seg = jax.lax.dynamic_slice_in_dim(segment_ids, start_k, block_k, axis=1)
+  return jax.vmap(lambda qs, ks: masks.visible(q_pos, k_pos, qs, ks, causal=causal, kv_len=kv_len))(
+      segment_ids, k_seg)
+
+
+def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv_len, block_sizes, interpret=False):
+  """Returns (o [B, S, Hq, D] in q.dtype, lse [B, Hq, S] f32 base 2)."""
+  del interpret
+  b, sq, hq, d = q.shape
+  hkv = k.shape[2]
+  bk = block_sizes.block_k
+  prec = _precision(q.dtype)
+  sigma2 = scale * LOG2E
+  qg = _grouped(q, hkv)  # [B, Sq, Hkv, G, D]
+  to_rows = lambda x: x.reshape(b, hkv, hq // hkv, sq).transpose(0, 3, 1, 2)  # [B,Hq,S] -> [B,S,Hkv,G]
+  if cert is None:
+    fixed = jnp.zeros((b, sq, hkv, hq // hkv), bool)
+    m0 = jnp.full(fixed.shape, NEG, jnp.float32)
+  else:
+    fixed = to_rows(jnp.repeat(cert.certified, block_sizes.block_q, axis=-1))
+    m0 = jnp.where(fixed, to_rows(cert.m), NEG)
+
+  def step(carry, xs):
+    acc, m, l = carry
+    u, k_u, v_u = xs
+    s = jnp.einsum("bqhgd,bkhd->bqhgk", qg, k_u, precision=prec, preferred_element_type=jnp.float32) * sigma2
+    mask = _block_mask(segment_ids, u * bk, bk, sq, causal=causal, kv_len=kv_len)
+    if mask is not None:
+      s = jnp.where(mask[:, :, None, None, :], s, NEG)
+    m_new = jnp.where(fixed, m, jnp.maximum(m, s.max(-1)))
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(s - m_new[..., None])
+    pv = jnp.einsum("bqhgk,bkhd->bqhgd", p.astype(v.dtype), v_u, precision=prec,
+                    preferred_element_type=jnp.float32)
+    return (acc * alpha[..., None] + pv, m_new, l * alpha + p.sum(-1)), None
+
+  init = (jnp.zeros(qg.shape, jnp.float32), m0, jnp.zeros(m0.shape, jnp.float32))
+  nk = k.shape[1] // bk
+  (acc, m, l), _ = jax.lax.scan(step, init, (jnp.arange(nk), _kv_blocks(k, bk), _kv_blocks(v, bk)))
+  empty = (l == 0) | (m == NEG)
+  l_safe = jnp.where(empty, 1.0, l)
+  o = jnp.where(empty[..., None], 0.0, acc / l_safe[..., None])
+  lse = jnp.where(empty, EMPTY_LSE, m + jnp.log2(l_safe))
+  return o.reshape(q.shape).astype(q.dtype), lse.reshape(b, sq, hq).transpose(0, 2, 1)
+
+
+def backward(q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_sizes, interpret=False):
+  """FlashAttention-2 backward from the saved base-2 lse. Returns (dq, dk, dv)."""
+  del interpret
+  b, sq, hq, d = q.shape
+  hkv = k.shape[2]
+  bk = block_sizes.block_k
+  prec = _precision(q.dtype)
+  sigma2 = scale * LOG2E
+  qg = _grouped(q, hkv)
+  dog = _grouped(do, hkv)
+  delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), -1).reshape(b, sq, hkv, hq // hkv)
+  lse_rows = lse.transpose(0, 2, 1).reshape(delta.shape)
+
+  def step(dq, xs):
+    u, k_u, v_u = xs
+    s = jnp.einsum("bqhgd,bkhd->bqhgk", qg, k_u, precision=prec, preferred_element_type=jnp.float32) * sigma2
+    mask = _block_mask(segment_ids, u * bk, bk, sq, causal=causal, kv_len=kv_len)
+    if mask is not None:
+      s = jnp.where(mask[:, :, None, None, :], s, NEG)
+    p = jnp.exp2(s - lse_rows[..., None])
+    dp = jnp.einsum("bqhgd,bkhd->bqhgk", dog, v_u, precision=prec, preferred_element_type=jnp.float32)
+    ds = p * (dp - delta[..., None])
+    dq = dq + scale * jnp.einsum("bqhgk,bkhd->bqhgd", ds.astype(k.dtype), k_u, precision=prec,
+                                 preferred_element_type=jnp.float32)
+    dk_u = scale * jnp.einsum("bqhgk,bqhgd->bkhd", ds.astype(q.dtype), qg, precision=prec,
+                              preferred_element_type=jnp.float32)
+    dv_u = jnp.einsum("bqhgk,bqhgd->bkhd", p.astype(do.dtype), dog, precision=prec,
+                      preferred_element_type=jnp.float32)
+    return dq, (dk_u, dv_u)
+
+  nk = k.shape[1] // bk
+  dq, (dk, dv) = jax.lax.scan(step, jnp.zeros(qg.shape, jnp.float32),
+                              (jnp.arange(nk), _kv_blocks(k, bk), _kv_blocks(v, bk)))
+  unblock = lambda x: x.swapaxes(0, 1).reshape(k.shape)
+  return dq.reshape(q.shape).astype(q.dtype), unblock(dk).astype(k.dtype), unblock(dv).astype(v.dtype)
