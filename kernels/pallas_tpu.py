@@ -1,0 +1,216 @@
+"""CLiS attention forward as a Pallas Mosaic TPU kernel.
+
+Splash-attention habits: head-major layout [B, H, S, D]; grid (batch, head, q_block,
+kv_block) with the kv blocks on the minor, sequential ("arbitrary") axis; f32 scratch
+accumulators that live across that axis; blocks above the causal diagonal are neither
+fetched (their index map repeats the last needed block, so no DMA is issued) nor
+computed. The per-tile certificate arrives as a scalar-prefetched SMEM table, so each
+tile picks the fixed-stabilizer update (no max, no rescale) or the online softmax.
+We have no TPU: this kernel is checked in Pallas TPU interpret mode on the CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from clis_kernels import masks
+from clis_kernels.stabilizer import EMPTY_LSE, LOG2E, NEG, Certificate
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Forward tiles (block_q, block_k) and backward tiles; multiples of 128 on a real TPU."""
+
+  block_q: int = 512
+  block_k: int = 512
+  block_q_dq: int = 512
+  block_k_dq: int = 512
+  block_q_dkv: int = 512
+  block_k_dkv: int = 512
+
+  def __post_init__(self):
+    for field in dataclasses.fields(self):
+      value = getattr(self, field.name)
+      if value < 8 or value & (value - 1):
+        raise ValueError(f"{field.name}={value} must be a power of two >= 8 (128 or more on a real TPU)")
+
+  @property
+  def tile(self) -> int:
+    return self.block_q
+
+  @property
+  def multiple(self) -> int:
+    return max(getattr(self, f.name) for f in dataclasses.fields(self))
+
+
+def default_block_sizes(head_dim: int, seq_len: int) -> BlockSizes:
+  """Large tiles amortise the per-step overhead on TPU; shrunk for short sequences."""
+  del head_dim
+  cap = max(128, 1 << (max(seq_len, 1) - 1).bit_length())
+  return BlockSizes(*(min(512, cap),) * 6)
+
+
+def interpret_mode(interpret: bool):
+  """TPU interpret mode (simulated VMEM/SMEM/DMA) when asked, else compile for the TPU."""
+  return pltpu.InterpretParams() if interpret else False
+
+
+def dot_precision(dtype):
+  return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
+
+
+def nt_dot(a, b, precision):
+  """a @ b.T in f32 without materialising the transpose."""
+  return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision,
+                             preferred_element_type=jnp.float32)
+
+
+def tn_dot(a, b, precision):
+  """a.T @ b in f32."""
+  return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=precision,
+                             preferred_element_type=jnp.float32)
+
+
+def nn_dot(a, b, precision):
+  return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=precision,
+                             preferred_element_type=jnp.float32)
+
+
+def block_flags(q_block, kv_block, *, causal, has_segments, kv_len, block_q, block_k, num_kv_blocks):
+  """(runs, needs_mask) for one (q block, kv block) pair of the grid, as traced bools."""
+  first_row = q_block * block_q
+  if causal:
+    runs = kv_block * block_k <= first_row + block_q - 1
+    needs_mask = (kv_block + 1) * block_k - 1 > first_row
+  else:
+    runs = jnp.bool_(True)
+    needs_mask = kv_block == num_kv_blocks - 1 if kv_len is not None else jnp.bool_(False)
+  if has_segments:
+    needs_mask = jnp.bool_(True)
+  return runs, needs_mask
+
+
+def block_mask(q_block, kv_block, qseg_ref, kseg_ref, *, causal, kv_len, block_q, block_k):
+  """[block_q, block_k] visibility from the shared mask rule (masks.visible)."""
+  q_seg = None if qseg_ref is None else qseg_ref[:, 0]
+  k_seg = None if kseg_ref is None else kseg_ref[0, :]
+  return masks.visible(q_block * block_q + jnp.arange(block_q), kv_block * block_k + jnp.arange(block_k),
+                       q_seg, k_seg, causal=causal, kv_len=kv_len)
+
+
+def _fwd_kernel(cert_ref, *refs, has_segments, fixed_mode, causal, sigma2, block_q, block_k, kv_len,
+                num_q_blocks, num_kv_blocks, num_heads, precision):
+  q_ref, k_ref, v_ref = refs[:3]
+  qseg_ref, kseg_ref = refs[3:5] if has_segments else (None, None)
+  m_in_ref, o_ref, lse_ref, acc_scr, m_scr, l_scr = refs[-6:]
+  b, h, i, j = (pl.program_id(a) for a in range(4))
+  if fixed_mode:
+    certified = cert_ref[(b * num_heads + h) * num_q_blocks + i] != 0
+  else:
+    certified = jnp.bool_(False)
+
+  @pl.when(j == 0)
+  def _init():
+    m_scr[...] = jnp.where(certified, m_in_ref[...], NEG)
+    l_scr[...] = jnp.zeros_like(l_scr)
+    acc_scr[...] = jnp.zeros_like(acc_scr)
+
+  def update(masked, fixed):
+    s = nt_dot(q_ref[...], k_ref[...], precision) * sigma2
+    if masked:
+      mask = block_mask(i, j, qseg_ref, kseg_ref, causal=causal, kv_len=kv_len, block_q=block_q, block_k=block_k)
+      s = jnp.where(mask, s, NEG)
+    m_prev = m_scr[...]
+    if fixed:  # the stabilizer is loop-invariant: no max, no rescale
+      p = jnp.exp2(s - m_prev)
+      l_scr[...] += p.sum(axis=1, keepdims=True)
+      acc_scr[...] += nn_dot(p.astype(v_ref.dtype), v_ref[...], precision)
+    else:
+      m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
+      alpha = jnp.exp2(m_prev - m_new)
+      p = jnp.exp2(s - m_new)
+      m_scr[...] = m_new
+      l_scr[...] = alpha * l_scr[...] + p.sum(axis=1, keepdims=True)
+      acc_scr[...] = alpha * acc_scr[...] + nn_dot(p.astype(v_ref.dtype), v_ref[...], precision)
+
+  runs, needs_mask = block_flags(i, j, causal=causal, has_segments=has_segments, kv_len=kv_len,
+                                 block_q=block_q, block_k=block_k, num_kv_blocks=num_kv_blocks)
+  for masked in (False, True):
+    for fixed in ((False, True) if fixed_mode else (False,)):
+      cond = runs & (needs_mask if masked else ~needs_mask) & (certified if fixed else ~certified)
+      pl.when(cond)(functools.partial(update, masked, fixed))
+
+  @pl.when(j == num_kv_blocks - 1)
+  def _finish():
+    l, m = l_scr[...], m_scr[...]
+    empty = (l == 0.0) | (m == NEG)
+    l_safe = jnp.where(empty, 1.0, l)
+    o_ref[...] = jnp.where(empty, 0.0, acc_scr[...] / l_safe).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(empty, EMPTY_LSE, m + jnp.log2(l_safe))
+
+
+def to_head_major(x):
+  return x.transpose(0, 2, 1, 3)
+
+
+def segment_operands(segment_ids):
+  """Query ids as [B, S, 1] (rows on sublanes) and key ids as [B, 1, S] (keys on lanes)."""
+  return segment_ids[:, :, None], segment_ids[:, None, :]
+
+
+def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv_len, block_sizes: BlockSizes,
+            interpret=False):
+  """Returns (o [B, S, Hq, D], lse [B, Hq, S] f32 base 2)."""
+  batch, seq, num_heads, head_dim = q.shape
+  group = num_heads // k.shape[2]
+  bq, bk = block_sizes.block_q, block_sizes.block_k
+  nq, nk = seq // bq, seq // bk
+  fixed_mode = cert is not None
+  if fixed_mode:
+    m_in, cert_flat = cert.m[..., None], cert.certified.astype(jnp.int32).reshape(-1)
+  else:
+    m_in, cert_flat = jnp.zeros((batch, num_heads, seq, 1), jnp.float32), jnp.zeros((1,), jnp.int32)
+
+  def last_kv(i):  # causal: the last kv block row block i sees; later steps re-use it (no DMA)
+    return jnp.minimum(nk - 1, ((i + 1) * bq - 1) // bk) if causal else nk - 1
+
+  kv_index = lambda b, h, i, j, c: (b, h // group, jnp.minimum(j, last_kv(i)), 0)
+  q_index = lambda b, h, i, j, c: (b, h, i, 0)
+  in_specs = [
+      pl.BlockSpec((None, None, bq, head_dim), q_index),
+      pl.BlockSpec((None, None, bk, head_dim), kv_index),
+      pl.BlockSpec((None, None, bk, head_dim), kv_index),
+  ]
+  args = [to_head_major(q), to_head_major(k), to_head_major(v)]
+  if segment_ids is not None:
+    in_specs += [pl.BlockSpec((None, bq, 1), lambda b, h, i, j, c: (b, i, 0)),
+                 pl.BlockSpec((None, 1, bk), lambda b, h, i, j, c: (b, 0, jnp.minimum(j, last_kv(i))))]
+    args += list(segment_operands(segment_ids))
+  in_specs.append(pl.BlockSpec((None, None, bq, 1), q_index))
+  args.append(m_in)
+  kernel = functools.partial(
+      _fwd_kernel, has_segments=segment_ids is not None, fixed_mode=fixed_mode, causal=causal,
+      sigma2=scale * LOG2E, block_q=bq, block_k=bk, kv_len=kv_len, num_q_blocks=nq, num_kv_blocks=nk,
+      num_heads=num_heads, precision=dot_precision(q.dtype))
+  o, lse = pl.pallas_call(
+      kernel,
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=1,
+          grid=(batch, num_heads, nq, nk),
+          in_specs=in_specs,
+          out_specs=[pl.BlockSpec((None, None, bq, head_dim), q_index), pl.BlockSpec((None, None, bq, 1), q_index)],
+          scratch_shapes=[pltpu.VMEM((bq, head_dim), jnp.float32), pltpu.VMEM((bq, 1), jnp.float32),
+                          pltpu.VMEM((bq, 1), jnp.float32)]),
+      out_shape=[jax.ShapeDtypeStruct((batch, num_heads, seq, head_dim), q.dtype),
+                 jax.ShapeDtypeStruct((batch, num_heads, seq, 1), jnp.float32)],
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+      interpret=interpret_mode(interpret),
+      name="clis_fwd_tpu" if fixed_mode else "online_fwd_tpu",
+  )(cert_flat, *args)
+  return to_head_major(o), lse[..., 0]

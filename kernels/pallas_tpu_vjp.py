@@ -1,0 +1,161 @@
+"""CLiS attention backward as Pallas Mosaic TPU kernels (FlashAttention-2 style, from the saved lse).
+
+P = 2^(σ₂·q·kᵀ − lse), dP = dO·Vᵀ, dS = P∘(dP − Δ), dQ = σ·dS·K, dK = σ·dSᵀ·Q, dV = Pᵀ·dO.
+  dq:  grid (batch, q_head, q_block, kv_block), kv minor, dQ in an f32 scratch;
+  dkv: grid (batch, kv_head, kv_block, group_head, q_block), the last two axes reduce
+       into f32 dK/dV scratch, so GQA sums over the group's query heads in VMEM.
+Blocks hidden by the causal mask are skipped and their DMAs elided, as in the forward.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from clis_kernels.pallas_tpu import (BlockSizes, block_flags, block_mask, dot_precision, interpret_mode, nn_dot,
+                                     nt_dot, segment_operands, tn_dot, to_head_major)
+from clis_kernels.stabilizer import LOG2E, NEG
+
+
+def _grads_of_block(q, k, v, do, lse, delta, mask, *, sigma2, precision):
+  """P and dS of one (q block, kv block) pair."""
+  s = nt_dot(q, k, precision) * sigma2
+  if mask is not None:
+    s = jnp.where(mask, s, NEG)
+  p = jnp.exp2(s - lse)
+  ds = p * (nt_dot(do, v, precision) - delta)
+  return p, ds
+
+
+def _dq_kernel(*refs, has_segments, causal, sigma2, scale, block_q, block_k, kv_len, num_kv_blocks, precision):
+  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
+  qseg_ref, kseg_ref = refs[6:8] if has_segments else (None, None)
+  dq_ref, dq_scr = refs[-2:]
+  i, j = pl.program_id(2), pl.program_id(3)
+
+  @pl.when(j == 0)
+  def _init():
+    dq_scr[...] = jnp.zeros_like(dq_scr)
+
+  def update(masked):
+    mask = block_mask(i, j, qseg_ref, kseg_ref, causal=causal, kv_len=kv_len, block_q=block_q,
+                      block_k=block_k) if masked else None
+    _, ds = _grads_of_block(q_ref[...], k_ref[...], v_ref[...], do_ref[...], lse_ref[...], delta_ref[...], mask,
+                            sigma2=sigma2, precision=precision)
+    dq_scr[...] += nn_dot(ds.astype(k_ref.dtype), k_ref[...], precision)
+
+  runs, needs_mask = block_flags(i, j, causal=causal, has_segments=has_segments, kv_len=kv_len,
+                                 block_q=block_q, block_k=block_k, num_kv_blocks=num_kv_blocks)
+  pl.when(runs & needs_mask)(functools.partial(update, True))
+  pl.when(runs & ~needs_mask)(functools.partial(update, False))
+
+  @pl.when(j == num_kv_blocks - 1)
+  def _finish():
+    dq_ref[...] = (dq_scr[...] * scale).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(*refs, has_segments, causal, sigma2, scale, block_q, block_k, kv_len, num_kv_blocks, group,
+                num_q_blocks, precision):
+  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
+  qseg_ref, kseg_ref = refs[6:8] if has_segments else (None, None)
+  dk_ref, dv_ref, dk_scr, dv_scr = refs[-4:]
+  j, g, i = pl.program_id(2), pl.program_id(3), pl.program_id(4)
+
+  @pl.when((g == 0) & (i == 0))
+  def _init():
+    dk_scr[...] = jnp.zeros_like(dk_scr)
+    dv_scr[...] = jnp.zeros_like(dv_scr)
+
+  def update(masked):
+    mask = block_mask(i, j, qseg_ref, kseg_ref, causal=causal, kv_len=kv_len, block_q=block_q,
+                      block_k=block_k) if masked else None
+    q, do = q_ref[...], do_ref[...]
+    p, ds = _grads_of_block(q, k_ref[...], v_ref[...], do, lse_ref[...], delta_ref[...], mask,
+                            sigma2=sigma2, precision=precision)
+    dv_scr[...] += tn_dot(p.astype(do.dtype), do, precision)
+    dk_scr[...] += tn_dot(ds.astype(q.dtype), q, precision)
+
+  runs, needs_mask = block_flags(i, j, causal=causal, has_segments=has_segments, kv_len=kv_len,
+                                 block_q=block_q, block_k=block_k, num_kv_blocks=num_kv_blocks)
+  pl.when(runs & needs_mask)(functools.partial(update, True))
+  pl.when(runs & ~needs_mask)(functools.partial(update, False))
+
+  @pl.when((g == group - 1) & (i == num_q_blocks - 1))
+  def _finish():
+    dk_ref[...] = (dk_scr[...] * scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv_scr[...].astype(dv_ref.dtype)
+
+
+def backward(q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_sizes: BlockSizes,
+             interpret=False):
+  """Returns (dq, dk, dv) shaped like q, k, v."""
+  batch, seq, num_heads, head_dim = q.shape
+  num_kv_heads = k.shape[2]
+  group = num_heads // num_kv_heads
+  delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32))[..., None]
+  lse = lse[..., None]
+  qh, kh, vh, doh = (to_head_major(x) for x in (q, k, v, do))
+  has_seg = segment_ids is not None
+  seg_args = list(segment_operands(segment_ids)) if has_seg else []
+  common = dict(has_segments=has_seg, causal=causal, sigma2=scale * LOG2E, scale=scale, kv_len=kv_len,
+                precision=dot_precision(q.dtype))
+  interp = interpret_mode(interpret)
+
+  # dQ: kv blocks on the minor axis; causal steps past the diagonal repeat the last block.
+  bq, bk = block_sizes.block_q_dq, block_sizes.block_k_dq
+  nq, nk = seq // bq, seq // bk
+  last_kv = (lambda i: jnp.minimum(nk - 1, ((i + 1) * bq - 1) // bk)) if causal else (lambda i: nk - 1)
+  kv_index = lambda b, h, i, j: (b, h // group, jnp.minimum(j, last_kv(i)), 0)
+  row_index = lambda b, h, i, j: (b, h, i, 0)
+  in_specs = [pl.BlockSpec((None, None, bq, head_dim), row_index),
+              pl.BlockSpec((None, None, bk, head_dim), kv_index),
+              pl.BlockSpec((None, None, bk, head_dim), kv_index),
+              pl.BlockSpec((None, None, bq, head_dim), row_index),
+              pl.BlockSpec((None, None, bq, 1), row_index),
+              pl.BlockSpec((None, None, bq, 1), row_index)]
+  if has_seg:
+    in_specs += [pl.BlockSpec((None, bq, 1), lambda b, h, i, j: (b, i, 0)),
+                 pl.BlockSpec((None, 1, bk), lambda b, h, i, j: (b, 0, jnp.minimum(j, last_kv(i))))]
+  dq = pl.pallas_call(
+      functools.partial(_dq_kernel, block_q=bq, block_k=bk, num_kv_blocks=nk, **common),
+      grid=(batch, num_heads, nq, nk),
+      in_specs=in_specs,
+      out_specs=pl.BlockSpec((None, None, bq, head_dim), row_index),
+      out_shape=jax.ShapeDtypeStruct(qh.shape, q.dtype),
+      scratch_shapes=[pltpu.VMEM((bq, head_dim), jnp.float32)],
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+      interpret=interp, name="clis_bwd_dq_tpu",
+  )(qh, kh, vh, doh, lse, delta, *seg_args)
+
+  # dK/dV: (group head, q block) reduce on the minor axes; causal skips q blocks above the diagonal.
+  bq, bk = block_sizes.block_q_dkv, block_sizes.block_k_dkv
+  nq, nk = seq // bq, seq // bk
+  first_q = (lambda j: (j * bk) // bq) if causal else (lambda j: 0)
+  q_index = lambda b, h, j, g, i: (b, h * group + g, jnp.maximum(i, first_q(j)), 0)
+  kv_index = lambda b, h, j, g, i: (b, h, j, 0)
+  in_specs = [pl.BlockSpec((None, None, bq, head_dim), q_index),
+              pl.BlockSpec((None, None, bk, head_dim), kv_index),
+              pl.BlockSpec((None, None, bk, head_dim), kv_index),
+              pl.BlockSpec((None, None, bq, head_dim), q_index),
+              pl.BlockSpec((None, None, bq, 1), q_index),
+              pl.BlockSpec((None, None, bq, 1), q_index)]
+  if has_seg:
+    in_specs += [pl.BlockSpec((None, bq, 1), lambda b, h, j, g, i: (b, jnp.maximum(i, first_q(j)), 0)),
+                 pl.BlockSpec((None, 1, bk), lambda b, h, j, g, i: (b, 0, j))]
+  dk, dv = pl.pallas_call(
+      functools.partial(_dkv_kernel, block_q=bq, block_k=bk, num_kv_blocks=nk, group=group, num_q_blocks=nq,
+                        **common),
+      grid=(batch, num_kv_heads, nk, group, nq),
+      in_specs=in_specs,
+      out_specs=[pl.BlockSpec((None, None, bk, head_dim), kv_index)] * 2,
+      out_shape=[jax.ShapeDtypeStruct(kh.shape, k.dtype), jax.ShapeDtypeStruct(vh.shape, v.dtype)],
+      scratch_shapes=[pltpu.VMEM((bk, head_dim), jnp.float32), pltpu.VMEM((bk, head_dim), jnp.float32)],
+      compiler_params=pltpu.CompilerParams(
+          dimension_semantics=("parallel", "parallel", "parallel", "arbitrary", "arbitrary")),
+      interpret=interp, name="clis_bwd_dkv_tpu",
+  )(qh, kh, vh, doh, lse, delta, *seg_args)
+  return to_head_major(dq), to_head_major(dk), to_head_major(dv)
