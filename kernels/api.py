@@ -23,7 +23,7 @@ class Backend(NamedTuple):
   forward: Callable
   backward: Callable
   block_sizes_type: type
-  default_block_sizes: Callable[[int, int], Any]
+  default_block_sizes: Callable[[int, int, Any], Any]
   platforms: tuple[str, ...]  # platforms that run it compiled (others need interpret=True)
 
 
@@ -212,7 +212,7 @@ def attention(q, k, v, segment_ids=None, *, causal=True, scale=None, stabilizer=
   backend = BACKENDS[impl]()
   seq_len, kv_seq_len = q.shape[1], k.shape[1]
   if block_sizes is None:
-    block_sizes = backend.default_block_sizes(q.shape[-1], max(seq_len, kv_seq_len))
+    block_sizes = backend.default_block_sizes(q.shape[-1], max(seq_len, kv_seq_len), q.dtype)
   elif not isinstance(block_sizes, backend.block_sizes_type):
     raise ValueError(f"block_sizes for implementation={impl!r} must be "
                      f"{backend.block_sizes_type.__module__}.BlockSizes; got {type(block_sizes).__name__}")

@@ -61,10 +61,12 @@ class BlockSizes:
     return max(getattr(self, f.name) for f in dataclasses.fields(self) if f.name.startswith("block"))
 
 
-def default_block_sizes(head_dim: int, seq_len: int) -> BlockSizes:
-  """Tiles per head dim, shrunk for short sequences."""
+def default_block_sizes(head_dim: int, seq_len: int, dtype) -> BlockSizes:
+  """Tiles per head dim and dtype (f32 tiles take twice the shared memory), shrunk for short sequences."""
   cap = max(16, 1 << (max(seq_len, 1) - 1).bit_length())
   fit = lambda b: min(b, cap)
+  if jnp.dtype(dtype).itemsize > 2:
+    return BlockSizes(fit(64), fit(32), 4, 2, fit(32), fit(32), fit(32), fit(32), 4, 1)
   if head_dim <= 64:
     return BlockSizes(fit(128), fit(64), 4, 3, fit(64), fit(64), fit(64), fit(64), 4, 2)
   if head_dim <= 128:

@@ -49,9 +49,9 @@ class BlockSizes:
     return max(getattr(self, f.name) for f in dataclasses.fields(self))
 
 
-def default_block_sizes(head_dim: int, seq_len: int) -> BlockSizes:
+def default_block_sizes(head_dim: int, seq_len: int, dtype) -> BlockSizes:
   """Large tiles amortise the per-step overhead on TPU; shrunk for short sequences."""
-  del head_dim
+  del head_dim, dtype
   cap = max(128, 1 << (max(seq_len, 1) - 1).bit_length())
   return BlockSizes(*(min(512, cap),) * 6)
 

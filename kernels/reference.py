@@ -40,8 +40,8 @@ class BlockSizes:
     return max(self.block_q, self.block_k)
 
 
-def default_block_sizes(head_dim: int, seq_len: int) -> BlockSizes:
-  del head_dim
+def default_block_sizes(head_dim: int, seq_len: int, dtype) -> BlockSizes:
+  del head_dim, dtype
   cap = max(16, 1 << (seq_len - 1).bit_length())
   return BlockSizes(block_q=min(128, cap), block_k=min(128, cap))
 
