@@ -56,6 +56,14 @@ def causal_kv_blocks(q_block, *, block_q: int, block_k: int, num_kv_blocks: int,
   return num_full, num_total
 
 
+def bidirectional_kv_blocks(*, kv_len: int | None, block_k: int, num_kv_blocks: int):
+  """(num_full, num_total) without a causal mask: blocks past kv_len (block padding) are
+  skipped, and the one that straddles it is masked."""
+  if kv_len is None:
+    return num_kv_blocks, num_kv_blocks
+  return kv_len // block_k, -(-kv_len // block_k)
+
+
 def causal_q_blocks(kv_block, *, block_q: int, block_k: int, num_q_blocks: int, div):
   """Q-block ranges for one kv block under the causal mask (the dK/dV loop).
 

@@ -20,6 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from clis_kernels import masks
+from clis_kernels.shapes import out_struct
 from clis_kernels.stabilizer import EMPTY_LSE, LOG2E, NEG, Certificate
 
 
@@ -106,43 +107,50 @@ def _fwd_kernel(*refs, has_segments: bool, fixed_mode: bool, causal: bool, sigma
     return plgpu.dot(p.astype(v.dtype), v, precision=precision)
 
   def fixed_body(start_k, carry, masked):
-    acc, m, l = carry
+    # No max, no rescale. l sums the weights that multiplied V (rounded to v's dtype);
+    # l_lse sums the unrounded ones for the saved lse (stabilizer.py says why).
+    acc, m, l, l_lse = carry
     p = jnp.exp2(scores(start_k, masked) - m[:, None])
-    return acc + pv(p, start_k), m, l + p.sum(axis=1)
+    p_lo = p.astype(v_ref.dtype)
+    l_lse = l_lse + p.sum(axis=1) if exact_lse else l_lse
+    return acc + pv(p_lo, start_k), m, l + p_lo.astype(jnp.float32).sum(axis=1), l_lse
 
   def online_body(start_k, carry, masked):
-    acc, m, l = carry
+    acc, m, l, _ = carry
     s = scores(start_k, masked)
     m_new = jnp.maximum(m, s.max(axis=1))
     alpha = jnp.exp2(m - m_new)
     p = jnp.exp2(s - m_new[:, None])
-    return acc * alpha[:, None] + pv(p, start_k), m_new, l * alpha + p.sum(axis=1)
+    l = l * alpha + p.sum(axis=1)
+    return acc * alpha[:, None] + pv(p, start_k), m_new, l, l
 
   # Blocks [0, num_full) need no mask unless segments hide keys; [num_full, num_total) do.
   if causal:
     num_full, num_total = masks.causal_kv_blocks(q_block, block_q=block_q, block_k=block_k,
                                                   num_kv_blocks=num_kv_blocks, div=lax.div)
   else:
-    num_total = num_kv_blocks
-    num_full = num_kv_blocks - 1 if kv_len is not None else num_kv_blocks
+    num_full, num_total = masks.bidirectional_kv_blocks(kv_len=kv_len, block_k=block_k, num_kv_blocks=num_kv_blocks)
   always_masked = qseg_ref is not None
 
+  exact_lse = v_ref.dtype != jnp.float32
+  zeros = jnp.zeros((block_q,), jnp.float32)
+
   def run(body, m0):
-    carry = (jnp.zeros(o_ref.shape, jnp.float32), m0, jnp.zeros((block_q,), jnp.float32))
+    carry = (jnp.zeros(o_ref.shape, jnp.float32), m0, zeros, zeros)
     carry = lax.fori_loop(0, num_full, functools.partial(body, masked=always_masked), carry)
     return lax.fori_loop(num_full, num_total, functools.partial(body, masked=True), carry)
 
   online = lambda: run(online_body, jnp.full((block_q,), NEG, jnp.float32))
   if fixed_mode:
     certified = jnp.sum(cert_ref[...]) > 0
-    acc, m, l = lax.cond(certified, lambda: run(fixed_body, m_ref[...]), online)
+    acc, m, l, l_lse = lax.cond(certified, lambda: run(fixed_body, m_ref[...]), online)
+    l_lse = l_lse if exact_lse else l
   else:
-    acc, m, l = online()
+    acc, m, l, l_lse = online()
 
   empty = (l == 0.0) | (m == NEG)
-  l_safe = jnp.where(empty, 1.0, l)
-  o_ref[...] = jnp.where(empty[:, None], 0.0, acc / l_safe[:, None]).astype(o_ref.dtype)
-  lse_ref[...] = jnp.where(empty, EMPTY_LSE, m + jnp.log2(l_safe))
+  o_ref[...] = jnp.where(empty[:, None], 0.0, acc / jnp.where(empty, 1.0, l)[:, None]).astype(o_ref.dtype)
+  lse_ref[...] = jnp.where(empty, EMPTY_LSE, m + jnp.log2(jnp.where(empty, 1.0, l_lse)))
 
 
 def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv_len, block_sizes: BlockSizes,
@@ -184,8 +192,8 @@ def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv
       grid=(nq, batch, num_heads),
       in_specs=in_specs,
       out_specs=[pl.BlockSpec((None, bq, None, head_dim), qmap), pl.BlockSpec((None, None, bq), rowmap)],
-      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
-                 jax.ShapeDtypeStruct((batch, num_heads, seq), jnp.float32)],
+      out_shape=[out_struct(q.shape, q.dtype, q),
+                 out_struct((batch, num_heads, seq), jnp.float32, q)],
       compiler_params=plgpu.CompilerParams(num_warps=block_sizes.num_warps, num_stages=block_sizes.num_stages),
       interpret=interpret,
       name="clis_fwd" if fixed_mode else "online_fwd",

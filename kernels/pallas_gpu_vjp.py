@@ -18,6 +18,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from clis_kernels import masks
+from clis_kernels.shapes import out_struct
 from clis_kernels.pallas_gpu import BlockSizes, dot_precision
 from clis_kernels.stabilizer import LOG2E, NEG
 
@@ -60,8 +61,7 @@ def _dq_kernel(*refs, has_segments, causal, sigma2, scale, block_q, block_k, kv_
     num_full, num_total = masks.causal_kv_blocks(q_block, block_q=block_q, block_k=block_k,
                                                   num_kv_blocks=num_kv_blocks, div=lax.div)
   else:
-    num_total = num_kv_blocks
-    num_full = num_kv_blocks - 1 if kv_len is not None else num_kv_blocks
+    num_full, num_total = masks.bidirectional_kv_blocks(kv_len=kv_len, block_k=block_k, num_kv_blocks=num_kv_blocks)
   dq = jnp.zeros(dq_ref.shape, jnp.float32)
   dq = lax.fori_loop(0, num_full, functools.partial(body, masked=has_segments), dq)
   dq = lax.fori_loop(num_full, num_total, functools.partial(body, masked=True), dq)
@@ -96,12 +96,18 @@ def _dkv_kernel(*refs, has_segments, causal, sigma2, scale, block_q, block_k, kv
                                                num_q_blocks=num_q_blocks, div=lax.div)
   else:
     first = first_full = 0
-  masked_tail = kv_len is not None  # non-causal block padding: the last kv block hides keys
+  # Non-causal block padding: kv blocks that reach past kv_len hide some keys.
+  masked_tail = kv_len is not None and (kv_block + 1) * block_k > kv_len
 
   def per_head(head, carry):
     carry = lax.fori_loop(first, first_full, functools.partial(body, head=head, masked=True), carry)
-    return lax.fori_loop(first_full, num_q_blocks,
-                         functools.partial(body, head=head, masked=has_segments or masked_tail), carry)
+    tail = functools.partial(lax.fori_loop, first_full, num_q_blocks)
+    if has_segments:
+      return tail(functools.partial(body, head=head, masked=True), carry)
+    if kv_len is None:
+      return tail(functools.partial(body, head=head, masked=False), carry)
+    return lax.cond(masked_tail, lambda c: tail(functools.partial(body, head=head, masked=True), c),
+                    lambda c: tail(functools.partial(body, head=head, masked=False), c), carry)
 
   zeros = jnp.zeros(dk_ref.shape, jnp.float32)
   dk, dv = lax.fori_loop(0, group, per_head, (zeros, zeros))
@@ -141,7 +147,7 @@ def backward(q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_s
       grid=(seq // bq, batch, num_heads),
       in_specs=in_specs,
       out_specs=pl.BlockSpec((None, bq, None, head_dim), row),
-      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      out_shape=out_struct(q.shape, q.dtype, q),
       compiler_params=params, interpret=interpret, name="clis_bwd_dq",
   )(*args)
 
@@ -164,7 +170,7 @@ def backward(q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_s
       grid=(seq // bk, batch, num_kv_heads),
       in_specs=in_specs,
       out_specs=[pl.BlockSpec((None, bk, None, head_dim), kv_row), pl.BlockSpec((None, bk, None, head_dim), kv_row)],
-      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      out_shape=[out_struct(k.shape, k.dtype, q), out_struct(v.shape, v.dtype, q)],
       compiler_params=params, interpret=interpret, name="clis_bwd_dkv",
   )(*args)
   return dq, dk, dv

@@ -20,6 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from clis_kernels import masks
+from clis_kernels.shapes import out_struct
 from clis_kernels.stabilizer import EMPTY_LSE, LOG2E, NEG, Certificate
 
 
@@ -82,18 +83,28 @@ def nn_dot(a, b, precision):
                              preferred_element_type=jnp.float32)
 
 
-def block_flags(q_block, kv_block, *, causal, has_segments, kv_len, block_q, block_k, num_kv_blocks):
+def block_flags(q_block, kv_block, *, causal, has_segments, kv_len, block_q, block_k):
   """(runs, needs_mask) for one (q block, kv block) pair of the grid, as traced bools."""
   first_row = q_block * block_q
   if causal:
     runs = kv_block * block_k <= first_row + block_q - 1
     needs_mask = (kv_block + 1) * block_k - 1 > first_row
+  elif kv_len is not None:  # block padding: skip blocks past kv_len, mask the one across it
+    runs = kv_block * block_k < kv_len
+    needs_mask = (kv_block + 1) * block_k > kv_len
   else:
-    runs = jnp.bool_(True)
-    needs_mask = kv_block == num_kv_blocks - 1 if kv_len is not None else jnp.bool_(False)
+    runs, needs_mask = jnp.bool_(True), jnp.bool_(False)
   if has_segments:
     needs_mask = jnp.bool_(True)
   return runs, needs_mask
+
+
+def last_visible_kv_block(q_block, *, causal, kv_len, block_q, block_k, num_kv_blocks):
+  """The last kv block q block `q_block` sees; index maps repeat it past there, so no DMA is issued."""
+  last = num_kv_blocks - 1 if kv_len is None else (kv_len - 1) // block_k
+  if causal:
+    return jnp.minimum(last, ((q_block + 1) * block_q - 1) // block_k)
+  return last
 
 
 def block_mask(q_block, kv_block, qseg_ref, kseg_ref, *, causal, kv_len, block_q, block_k):
@@ -108,7 +119,7 @@ def _fwd_kernel(cert_ref, *refs, has_segments, fixed_mode, causal, sigma2, block
                 num_q_blocks, num_kv_blocks, num_heads, precision):
   q_ref, k_ref, v_ref = refs[:3]
   qseg_ref, kseg_ref = refs[3:5] if has_segments else (None, None)
-  m_in_ref, o_ref, lse_ref, acc_scr, m_scr, l_scr = refs[-6:]
+  m_in_ref, o_ref, lse_ref, acc_scr, m_scr, l_scr, l_lse_scr = refs[-7:]
   b, h, i, j = (pl.program_id(a) for a in range(4))
   if fixed_mode:
     certified = cert_ref[(b * num_heads + h) * num_q_blocks + i] != 0
@@ -119,6 +130,7 @@ def _fwd_kernel(cert_ref, *refs, has_segments, fixed_mode, causal, sigma2, block
   def _init():
     m_scr[...] = jnp.where(certified, m_in_ref[...], NEG)
     l_scr[...] = jnp.zeros_like(l_scr)
+    l_lse_scr[...] = jnp.zeros_like(l_lse_scr)
     acc_scr[...] = jnp.zeros_like(acc_scr)
 
   def update(masked, fixed):
@@ -129,18 +141,21 @@ def _fwd_kernel(cert_ref, *refs, has_segments, fixed_mode, causal, sigma2, block
     m_prev = m_scr[...]
     if fixed:  # the stabilizer is loop-invariant: no max, no rescale
       p = jnp.exp2(s - m_prev)
-      l_scr[...] += p.sum(axis=1, keepdims=True)
-      acc_scr[...] += nn_dot(p.astype(v_ref.dtype), v_ref[...], precision)
+      p_lo = p.astype(v_ref.dtype)  # l sums the weights that multiplied V; l_lse the exact ones
+      l_scr[...] += p_lo.astype(jnp.float32).sum(axis=1, keepdims=True)
+      l_lse_scr[...] += p.sum(axis=1, keepdims=True)
+      acc_scr[...] += nn_dot(p_lo, v_ref[...], precision)
     else:
       m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
       alpha = jnp.exp2(m_prev - m_new)
       p = jnp.exp2(s - m_new)
       m_scr[...] = m_new
       l_scr[...] = alpha * l_scr[...] + p.sum(axis=1, keepdims=True)
+      l_lse_scr[...] = l_scr[...]
       acc_scr[...] = alpha * acc_scr[...] + nn_dot(p.astype(v_ref.dtype), v_ref[...], precision)
 
   runs, needs_mask = block_flags(i, j, causal=causal, has_segments=has_segments, kv_len=kv_len,
-                                 block_q=block_q, block_k=block_k, num_kv_blocks=num_kv_blocks)
+                                 block_q=block_q, block_k=block_k)
   for masked in (False, True):
     for fixed in ((False, True) if fixed_mode else (False,)):
       cond = runs & (needs_mask if masked else ~needs_mask) & (certified if fixed else ~certified)
@@ -150,9 +165,8 @@ def _fwd_kernel(cert_ref, *refs, has_segments, fixed_mode, causal, sigma2, block
   def _finish():
     l, m = l_scr[...], m_scr[...]
     empty = (l == 0.0) | (m == NEG)
-    l_safe = jnp.where(empty, 1.0, l)
-    o_ref[...] = jnp.where(empty, 0.0, acc_scr[...] / l_safe).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(empty, EMPTY_LSE, m + jnp.log2(l_safe))
+    o_ref[...] = jnp.where(empty, 0.0, acc_scr[...] / jnp.where(empty, 1.0, l)).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(empty, EMPTY_LSE, m + jnp.log2(jnp.where(empty, 1.0, l_lse_scr[...])))
 
 
 def to_head_major(x):
@@ -177,8 +191,8 @@ def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv
   else:
     m_in, cert_flat = jnp.zeros((batch, num_heads, seq, 1), jnp.float32), jnp.zeros((1,), jnp.int32)
 
-  def last_kv(i):  # causal: the last kv block row block i sees; later steps re-use it (no DMA)
-    return jnp.minimum(nk - 1, ((i + 1) * bq - 1) // bk) if causal else nk - 1
+  last_kv = functools.partial(last_visible_kv_block, causal=causal, kv_len=kv_len, block_q=bq, block_k=bk,
+                              num_kv_blocks=nk)
 
   kv_index = lambda b, h, i, j, c: (b, h // group, jnp.minimum(j, last_kv(i)), 0)
   q_index = lambda b, h, i, j, c: (b, h, i, 0)
@@ -205,10 +219,9 @@ def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv
           grid=(batch, num_heads, nq, nk),
           in_specs=in_specs,
           out_specs=[pl.BlockSpec((None, None, bq, head_dim), q_index), pl.BlockSpec((None, None, bq, 1), q_index)],
-          scratch_shapes=[pltpu.VMEM((bq, head_dim), jnp.float32), pltpu.VMEM((bq, 1), jnp.float32),
-                          pltpu.VMEM((bq, 1), jnp.float32)]),
-      out_shape=[jax.ShapeDtypeStruct((batch, num_heads, seq, head_dim), q.dtype),
-                 jax.ShapeDtypeStruct((batch, num_heads, seq, 1), jnp.float32)],
+          scratch_shapes=[pltpu.VMEM((bq, head_dim), jnp.float32)] + [pltpu.VMEM((bq, 1), jnp.float32)] * 3),
+      out_shape=[out_struct((batch, num_heads, seq, head_dim), q.dtype, q),
+                 out_struct((batch, num_heads, seq, 1), jnp.float32, q)],
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
       interpret=interpret_mode(interpret),
       name="clis_fwd_tpu" if fixed_mode else "online_fwd_tpu",

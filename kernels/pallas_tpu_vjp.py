@@ -16,8 +16,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from clis_kernels.pallas_tpu import (BlockSizes, block_flags, block_mask, dot_precision, interpret_mode, nn_dot,
-                                     nt_dot, segment_operands, tn_dot, to_head_major)
+from clis_kernels.shapes import out_struct
+from clis_kernels.pallas_tpu import (BlockSizes, block_flags, block_mask, dot_precision, interpret_mode,
+                                     last_visible_kv_block, nn_dot, nt_dot, segment_operands, tn_dot, to_head_major)
 from clis_kernels.stabilizer import LOG2E, NEG
 
 
@@ -49,7 +50,7 @@ def _dq_kernel(*refs, has_segments, causal, sigma2, scale, block_q, block_k, kv_
     dq_scr[...] += nn_dot(ds.astype(k_ref.dtype), k_ref[...], precision)
 
   runs, needs_mask = block_flags(i, j, causal=causal, has_segments=has_segments, kv_len=kv_len,
-                                 block_q=block_q, block_k=block_k, num_kv_blocks=num_kv_blocks)
+                                 block_q=block_q, block_k=block_k)
   pl.when(runs & needs_mask)(functools.partial(update, True))
   pl.when(runs & ~needs_mask)(functools.partial(update, False))
 
@@ -58,7 +59,7 @@ def _dq_kernel(*refs, has_segments, causal, sigma2, scale, block_q, block_k, kv_
     dq_ref[...] = (dq_scr[...] * scale).astype(dq_ref.dtype)
 
 
-def _dkv_kernel(*refs, has_segments, causal, sigma2, scale, block_q, block_k, kv_len, num_kv_blocks, group,
+def _dkv_kernel(*refs, has_segments, causal, sigma2, scale, block_q, block_k, kv_len, group,
                 num_q_blocks, precision):
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
   qseg_ref, kseg_ref = refs[6:8] if has_segments else (None, None)
@@ -80,7 +81,7 @@ def _dkv_kernel(*refs, has_segments, causal, sigma2, scale, block_q, block_k, kv
     dk_scr[...] += tn_dot(ds.astype(q.dtype), q, precision)
 
   runs, needs_mask = block_flags(i, j, causal=causal, has_segments=has_segments, kv_len=kv_len,
-                                 block_q=block_q, block_k=block_k, num_kv_blocks=num_kv_blocks)
+                                 block_q=block_q, block_k=block_k)
   pl.when(runs & needs_mask)(functools.partial(update, True))
   pl.when(runs & ~needs_mask)(functools.partial(update, False))
 
@@ -108,7 +109,8 @@ def backward(q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_s
   # dQ: kv blocks on the minor axis; causal steps past the diagonal repeat the last block.
   bq, bk = block_sizes.block_q_dq, block_sizes.block_k_dq
   nq, nk = seq // bq, seq // bk
-  last_kv = (lambda i: jnp.minimum(nk - 1, ((i + 1) * bq - 1) // bk)) if causal else (lambda i: nk - 1)
+  last_kv = functools.partial(last_visible_kv_block, causal=causal, kv_len=kv_len, block_q=bq, block_k=bk,
+                              num_kv_blocks=nk)
   kv_index = lambda b, h, i, j: (b, h // group, jnp.minimum(j, last_kv(i)), 0)
   row_index = lambda b, h, i, j: (b, h, i, 0)
   in_specs = [pl.BlockSpec((None, None, bq, head_dim), row_index),
@@ -125,7 +127,7 @@ def backward(q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_s
       grid=(batch, num_heads, nq, nk),
       in_specs=in_specs,
       out_specs=pl.BlockSpec((None, None, bq, head_dim), row_index),
-      out_shape=jax.ShapeDtypeStruct(qh.shape, q.dtype),
+      out_shape=out_struct(qh.shape, q.dtype, q),
       scratch_shapes=[pltpu.VMEM((bq, head_dim), jnp.float32)],
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
       interpret=interp, name="clis_bwd_dq_tpu",
@@ -147,12 +149,12 @@ def backward(q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_s
     in_specs += [pl.BlockSpec((None, bq, 1), lambda b, h, j, g, i: (b, jnp.maximum(i, first_q(j)), 0)),
                  pl.BlockSpec((None, 1, bk), lambda b, h, j, g, i: (b, 0, j))]
   dk, dv = pl.pallas_call(
-      functools.partial(_dkv_kernel, block_q=bq, block_k=bk, num_kv_blocks=nk, group=group, num_q_blocks=nq,
+      functools.partial(_dkv_kernel, block_q=bq, block_k=bk, group=group, num_q_blocks=nq,
                         **common),
       grid=(batch, num_kv_heads, nk, group, nq),
       in_specs=in_specs,
       out_specs=[pl.BlockSpec((None, None, bk, head_dim), kv_index)] * 2,
-      out_shape=[jax.ShapeDtypeStruct(kh.shape, k.dtype), jax.ShapeDtypeStruct(vh.shape, v.dtype)],
+      out_shape=[out_struct(kh.shape, k.dtype, q), out_struct(vh.shape, v.dtype, q)],
       scratch_shapes=[pltpu.VMEM((bk, head_dim), jnp.float32), pltpu.VMEM((bk, head_dim), jnp.float32)],
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "parallel", "parallel", "arbitrary", "arbitrary")),

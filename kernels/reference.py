@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from clis_kernels import masks
+from clis_kernels.shapes import varying_like
 from clis_kernels.stabilizer import EMPTY_LSE, LOG2E, NEG, Certificate
 
 
@@ -61,11 +62,12 @@ def _kv_blocks(x, block_k):
 
 
 def _block_mask(segment_ids, start_k, block_k, num_q, *, causal, kv_len):
-  """[B or 1, Sq, bk] visibility of one kv block."""
+  """[B or 1, Sq, bk] visibility of one kv block, or None when every key is visible."""
   q_pos = jnp.arange(num_q)
   k_pos = start_k + jnp.arange(block_k)
   if segment_ids is None:
-    return masks.visible(q_pos, k_pos, None, None, causal=causal, kv_len=kv_len)[None]
+    mask = masks.visible(q_pos, k_pos, None, None, causal=causal, kv_len=kv_len)
+    return None if mask is None else mask[None]
   k_seg = jax.lax.dynamic_slice_in_dim(segment_ids, start_k, block_k, axis=1)
   return jax.vmap(lambda qs, ks: masks.visible(q_pos, k_pos, qs, ks, causal=causal, kv_len=kv_len))(
       segment_ids, k_seg)
@@ -89,7 +91,7 @@ def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv
     m0 = jnp.where(fixed, to_rows(cert.m), NEG)
 
   def step(carry, xs):
-    acc, m, l = carry
+    acc, m, l, l_exact = carry
     u, k_u, v_u = xs
     s = jnp.einsum("bqhgd,bkhd->bqhgk", qg, k_u, precision=prec, preferred_element_type=jnp.float32) * sigma2
     mask = _block_mask(segment_ids, u * bk, bk, sq, causal=causal, kv_len=kv_len)
@@ -98,17 +100,21 @@ def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv
     m_new = jnp.where(fixed, m, jnp.maximum(m, s.max(-1)))
     alpha = jnp.exp2(m - m_new)
     p = jnp.exp2(s - m_new[..., None])
-    pv = jnp.einsum("bqhgk,bkhd->bqhgd", p.astype(v.dtype), v_u, precision=prec,
-                    preferred_element_type=jnp.float32)
-    return (acc * alpha[..., None] + pv, m_new, l * alpha + p.sum(-1)), None
+    p_lo = p.astype(v.dtype)
+    pv = jnp.einsum("bqhgk,bkhd->bqhgd", p_lo, v_u, precision=prec, preferred_element_type=jnp.float32)
+    # Fixed rows normalise the output by the weights that multiplied V (see stabilizer.py).
+    row_sum = jnp.where(fixed, p_lo.astype(jnp.float32).sum(-1), p.sum(-1))
+    return (acc * alpha[..., None] + pv, m_new, l * alpha + row_sum, l_exact + p.sum(-1)), None
 
-  init = (jnp.zeros(qg.shape, jnp.float32), m0, jnp.zeros(m0.shape, jnp.float32))
+  zeros = jnp.zeros(m0.shape, jnp.float32)
+  init = jax.tree.map(lambda x: varying_like(x, q), (jnp.zeros(qg.shape, jnp.float32), m0, zeros, zeros))
   nk = k.shape[1] // bk
-  (acc, m, l), _ = jax.lax.scan(step, init, (jnp.arange(nk), _kv_blocks(k, bk), _kv_blocks(v, bk)))
+  (acc, m, l, l_exact), _ = jax.lax.scan(step, init, (jnp.arange(nk), _kv_blocks(k, bk), _kv_blocks(v, bk)))
   empty = (l == 0) | (m == NEG)
   l_safe = jnp.where(empty, 1.0, l)
   o = jnp.where(empty[..., None], 0.0, acc / l_safe[..., None])
-  lse = jnp.where(empty, EMPTY_LSE, m + jnp.log2(l_safe))
+  lse_l = jnp.where(fixed, l_exact, l)
+  lse = jnp.where(empty, EMPTY_LSE, m + jnp.log2(jnp.where(empty, 1.0, lse_l)))
   return o.reshape(q.shape).astype(q.dtype), lse.reshape(b, sq, hq).transpose(0, 2, 1)
 
 
@@ -143,7 +149,7 @@ def backward(q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_s
     return dq, (dk_u, dv_u)
 
   nk = k.shape[1] // bk
-  dq, (dk, dv) = jax.lax.scan(step, jnp.zeros(qg.shape, jnp.float32),
+  dq, (dk, dv) = jax.lax.scan(step, varying_like(jnp.zeros(qg.shape, jnp.float32), q),
                               (jnp.arange(nk), _kv_blocks(k, bk), _kv_blocks(v, bk)))
   unblock = lambda x: x.swapaxes(0, 1).reshape(k.shape)
   return dq.reshape(q.shape).astype(q.dtype), unblock(dk).astype(k.dtype), unblock(dv).astype(v.dtype)

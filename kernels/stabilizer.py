@@ -6,7 +6,7 @@ t_ij = σ₂·q_i·k_j and softmax weights are 2^(t_ij − M_i) for any stabiliz
 Upper bound (before the KV loop). For any centre c, Cauchy–Schwarz gives
     t_ij = σ₂·q_i·c + σ₂·q_i·(k_j − c) ≤ σ₂·q_i·c + σ₂·‖q_i‖·‖k_j − c‖.
 We take c = the mean key of the segment (of the sequence when not packed; padding keys
-excluded). Rows only see keys of their own segment, so one centre serves both sides of the
+excluded), recomputed without outlier keys. Rows only see keys of their own segment, so one centre serves both sides of the
 inequality. With R_i = max over keys visible to row i of ‖k_j − c‖ (causal: a running max up
 to i; bidirectional: the segment's max),  U_i = σ₂·(q_i·c + ‖q_i‖·R_i) ≥ max_j t_ij.
 
@@ -33,6 +33,12 @@ each < 2^minexp, must stay below the dtype's rounding of the dominant term, 2^-(
 (bf16: 126 − 9 − ⌈log2 N⌉; f32: 126 − 25 − ⌈log2 N⌉; f16: 14 − 12 − ⌈log2 N⌉ < 0, so f16
 never certifies and always runs the online path). Relative rounding of l and acc does not
 depend on their scale, so a certified row is as accurate as the online path's.
+
+Normalisation. The weights enter P·V rounded to v's dtype. A certified row divides the
+accumulator by the sum of those rounded weights, so the output is an exact weighted mean of
+V under slightly perturbed weights (the online path gets this for free for its dominant
+weight, 2^0 = 1, which rounds exactly; a fixed stabilizer puts the dominant weight anywhere).
+The saved lse, which the backward needs, uses the unrounded sum.
 
 Certificate. A row passes when U_i − L_i ≤ min(τ·log2 e, h + T), τ being the user's cap in
 natural-log units. A tile (batch, head, q-block) is certified when all its real rows pass
@@ -104,16 +110,25 @@ def row_bounds(q, k, segment_ids, *, causal: bool, scale: float, seq_len: int):
   sk, hkv = k.shape[1], k.shape[2]
   group = hq // hkv
   key_valid = masks.key_is_real(segment_ids, sk, seq_len)  # [B, Sk]
-  kw = jnp.where(key_valid[..., None, None], k, 0.0)
-  count = key_valid.astype(jnp.float32)[..., None, None]
+  index = None if segment_ids is None else _segment_index(segment_ids)
 
-  if segment_ids is None:
-    centre = kw.sum(1, keepdims=True) / jnp.maximum(count.sum(1, keepdims=True), 1.0)  # [B,1,Hkv,D]
-  else:
-    index = _segment_index(segment_ids)
-    sums = _per_segment(jax.ops.segment_sum, kw, index)
-    counts = _per_segment(jax.ops.segment_sum, count, index)
-    centre = sums / jnp.maximum(counts, 1.0)  # [B, Sk, Hkv, D]
+  def mean(x, weight):
+    """Weighted mean over the sequence (or each key's segment) of x [B, Sk, Hkv, ...]."""
+    x = jnp.where(weight, x, 0.0)
+    w = jnp.broadcast_to(weight, x.shape[:3] + (1,)).astype(jnp.float32)
+    if index is None:
+      return x.sum(1, keepdims=True) / jnp.maximum(w.sum(1, keepdims=True), 1.0)
+    x_sum = _per_segment(jax.ops.segment_sum, x, index)
+    return x_sum / jnp.maximum(_per_segment(jax.ops.segment_sum, w, index), 1.0)
+
+  # The mean key, recomputed without outliers (keys farther than 4x the mean distance): any
+  # centre keeps the bound valid, and a robust one stops a single huge key (an attention
+  # sink) from loosening the bound of every row that never sees it.
+  valid = key_valid[..., None, None]
+  first = mean(k, valid)
+  dist = jnp.linalg.norm(k - first, axis=-1, keepdims=True)
+  inlier = valid & (dist <= 4.0 * mean(dist, valid))
+  centre = mean(k, inlier)  # [B, 1 or Sk, Hkv, D]
 
   dev = jnp.linalg.norm(k - centre, axis=-1)
   dev = jnp.where(key_valid[..., None], dev, 0.0)  # [B, Sk, Hkv]

@@ -1,0 +1,176 @@
+"""One test base for every backend: forward and gradients against float64, adversarial inputs.
+
+Each backend's test module subclasses `AttentionTests` and sets `implementation`,
+`interpret` and small `block_sizes` (several q and kv blocks per case, so the causal split,
+block padding and fallback paths all run). Tolerances are keyed by dtype.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import f64_reference as ref
+from clis_kernels import attention
+
+# Relative L2 error against float64: (forward, gradients).
+TOLERANCE = {jnp.float32: (1e-5, 5e-5), jnp.bfloat16: (1e-2, 2e-2)}
+# bf16 `clis` error may exceed the `online` path's error on the same inputs by at most this factor.
+CLIS_VS_ONLINE = 1.25
+
+# name, batch, seq, q heads, kv heads, head dim, dtype, causal, packed
+CASES = [
+    ("causal_mha_d64_f32_odd", 1, 80, 2, 2, 64, jnp.float32, True, False),
+    ("causal_packed_gqa4_d128_bf16", 1, 100, 8, 2, 128, jnp.bfloat16, True, True),
+    ("bidir_gqa8_d64_bf16_odd", 1, 72, 16, 2, 64, jnp.bfloat16, False, False),
+    ("bidir_packed_mqa_d128_f32", 1, 64, 4, 1, 128, jnp.float32, False, True),
+    ("causal_mqa_d128_bf16", 1, 128, 4, 1, 128, jnp.bfloat16, True, False),
+    ("causal_packed_mha_d64_bf16_b2", 2, 50, 2, 2, 64, jnp.bfloat16, True, True),
+]
+
+
+def random_inputs(seed, batch, seq, hq, hkv, d, dtype, *, key_offset=0.5):
+  """q, k, v, dout; keys share a common component, as in trained models."""
+  kq, kk, kv, kd, kc = jax.random.split(jax.random.PRNGKey(seed), 5)
+  q = jax.random.normal(kq, (batch, seq, hq, d))
+  k = jax.random.normal(kk, (batch, seq, hkv, d)) + key_offset * jax.random.normal(kc, (1, 1, hkv, d))
+  v = jax.random.normal(kv, (batch, seq, hkv, d))
+  do = jax.random.normal(kd, (batch, seq, hq, d))
+  return [x.astype(dtype) for x in (q, k, v, do)]
+
+
+def packed_segments(seed, batch, seq):
+  """Three or four documents per row, ids starting at 1, and a padded (id 0) tail."""
+  rng = np.random.default_rng(seed)
+  rows = []
+  for _ in range(batch):
+    cuts = np.sort(rng.choice(np.arange(2, seq - 4), 3, replace=False))
+    ids = np.searchsorted(cuts, np.arange(seq), side="right") + 1
+    ids[-3:] = 0
+    rows.append(ids)
+  return jnp.asarray(np.stack(rows), jnp.int32)
+
+
+class AttentionTests:
+  implementation: str
+  interpret: bool
+  block_sizes = None  # small tiles, set by each backend's subclass
+
+  def run(self, q, k, v, segment_ids=None, **kw):
+    kw.setdefault("block_sizes", self.block_sizes)
+    return attention(q, k, v, segment_ids, implementation=self.implementation, interpret=self.interpret, **kw)
+
+  def value_and_grads(self, q, k, v, do, segment_ids, **kw):
+    out, vjp = jax.vjp(lambda q, k, v: self.run(q, k, v, segment_ids, **kw), q, k, v)
+    return (out, *vjp(do))
+
+  @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+  def test_forward_and_gradients_match_float64(self, case):
+    name, batch, seq, hq, hkv, d, dtype, causal, packed = case
+    q, k, v, do = random_inputs(len(name), batch, seq, hq, hkv, d, dtype)
+    seg = packed_segments(len(name), batch, seq) if packed else None
+    want = ref.attention(q, k, v, do, seg, causal=causal)
+    fwd_tol, grad_tol = TOLERANCE[dtype]
+    errors = {}
+    for stabilizer in ("clis", "online"):
+      got = self.value_and_grads(q, k, v, do, seg, causal=causal, stabilizer=stabilizer)
+      assert got[0].dtype == dtype and got[0].shape == q.shape
+      errors[stabilizer] = [ref.rel_err(g, w) for g, w in zip(got, want)]
+      assert all(bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in got)
+      assert errors[stabilizer][0] < fwd_tol, (stabilizer, errors)
+      assert max(errors[stabilizer][1:]) < grad_tol, (stabilizer, errors)
+    if dtype == jnp.bfloat16:
+      for i, what in enumerate(("out", "dq", "dk", "dv")):
+        assert errors["clis"][i] <= CLIS_VS_ONLINE * errors["online"][i], (what, errors)
+    _, stats = self.run(q, k, v, seg, causal=causal, return_stats=True)
+    assert float(stats.certified_fraction) == 1.0, "ordinary inputs should certify every tile"
+
+  def test_attention_sink_fails_certification_and_stays_exact(self):
+    batch, seq, hq, hkv, d = 1, 96, 2, 1, 64
+    q, k, v, do = random_inputs(1, batch, seq, hq, hkv, d, jnp.float32)
+    sink = 40
+    k = k.at[:, sink].set(1e3 * k[:, sink] / jnp.linalg.norm(k[:, sink], axis=-1, keepdims=True))
+    out, stats = self.run(q, k, v, causal=True, return_stats=True)
+    tiles = np.asarray(stats.certified_tiles[0, 0])
+    tile = self.block_sizes.tile
+    last_row = np.arange(len(tiles)) * tile + tile - 1
+    np.testing.assert_array_equal(tiles[last_row < sink], True)  # never see the sink: certified
+    np.testing.assert_array_equal(tiles[last_row >= sink], False)  # see it: fall back to online
+    assert 0.0 < float(stats.certified_fraction) < 1.0
+    want = ref.attention(q, k, v, do, causal=True)
+    got = self.value_and_grads(q, k, v, do, None, causal=True)
+    fwd_tol, grad_tol = TOLERANCE[jnp.float32]
+    assert ref.rel_err(got[0], want[0]) < fwd_tol
+    assert max(ref.rel_err(g, w) for g, w in zip(got[1:], want[1:])) < grad_tol
+
+  @pytest.mark.parametrize("spread", ["wide", "narrow"])
+  def test_huge_logits_stay_finite_and_exact(self, spread):
+    # Logits of magnitude ~1e4. "wide": they span ~1e4 per row (certificate fails, online runs);
+    # "narrow": all keys nearly equal, so the row's range is small and the huge fixed stabilizer is certified.
+    batch, seq, hq, hkv, d = 1, 64, 2, 1, 64
+    q, k, v, do = random_inputs(2, batch, seq, hq, hkv, d, jnp.float32)
+    if spread == "wide":
+      q, k = q * 60.0, k * 60.0
+    else:
+      direction = jnp.ones((d,)) / jnp.sqrt(d)
+      q = 1e3 * direction + 0.01 * q
+      k = 80.0 * direction + 0.01 * k
+    out, stats = self.run(q, k, v, causal=True, return_stats=True)
+    want = ref.attention(q, k, v, do, causal=True)
+    scale = 1 / np.sqrt(d)
+    s_max = float(jnp.abs(jnp.einsum("bqhd,bkhd->bhqk", q, k)).max()) * scale
+    assert s_max > 5e3
+    got = self.value_and_grads(q, k, v, do, None, causal=True)
+    for g in got:
+      assert bool(jnp.isfinite(g).all())
+    # A logit error of ~|s|·2^-24 is inherent in f32 at |s| ~ 1e4 (both paths share it).
+    assert ref.rel_err(got[0], want[0]) < 5e-3
+    online = self.value_and_grads(q, k, v, do, None, causal=True, stabilizer="online")
+    assert ref.rel_err(got[0], want[0]) <= CLIS_VS_ONLINE * ref.rel_err(online[0], want[0]) + 1e-6
+    expected = 0.0 if spread == "wide" else 1.0
+    assert float(stats.certified_fraction) == expected
+
+  def test_rows_without_visible_keys_give_zero_and_finite_gradients(self):
+    batch, seq, hq, hkv, d = 1, 48, 2, 2, 64
+    q, k, v, do = random_inputs(3, batch, seq, hq, hkv, d, jnp.float32)
+    seg = jnp.asarray([[0] * 5 + [1] * 20 + [0] * 3 + [2] * 17 + [0] * 3], jnp.int32)
+    for causal in (True, False):
+      out, dq, dk, dv = self.value_and_grads(q, k, v, do, seg, causal=causal)
+      pad = np.asarray(seg[0] == 0)
+      np.testing.assert_array_equal(np.asarray(out[0, pad]), 0.0)
+      np.testing.assert_array_equal(np.asarray(dq[0, pad]), 0.0)
+      np.testing.assert_array_equal(np.asarray(dk[0, pad]), 0.0)
+      for g in (dq, dk, dv):
+        assert bool(jnp.isfinite(g).all())
+      want = ref.attention(q, k, v, do, seg, causal=causal)
+      assert ref.rel_err(out, want[0]) < TOLERANCE[jnp.float32][0]
+      assert max(ref.rel_err(g, w) for g, w in zip((dq, dk, dv), want[1:])) < TOLERANCE[jnp.float32][1]
+
+  def test_one_token_segments_return_their_own_value(self):
+    batch, seq, hq, hkv, d = 1, 40, 4, 2, 64
+    q, k, v, do = random_inputs(4, batch, seq, hq, hkv, d, jnp.float32)
+    seg = jnp.arange(1, seq + 1, dtype=jnp.int32)[None]
+    for causal in (True, False):
+      out = self.run(q, k, v, seg, causal=causal)
+      np.testing.assert_allclose(np.asarray(out), np.repeat(np.asarray(v), 2, axis=2), rtol=1e-6, atol=1e-6)
+
+  def test_head_granularity_falls_back_for_the_whole_head(self):
+    batch, seq, hq, hkv, d = 1, 96, 2, 2, 64
+    q, k, v, do = random_inputs(5, batch, seq, hq, hkv, d, jnp.float32)
+    k = k.at[:, 70, 0].multiply(300.0)  # a sink in kv head 0 only
+    _, tile_stats = self.run(q, k, v, causal=True, return_stats=True)
+    out, head_stats = self.run(q, k, v, causal=True, return_stats=True, granularity="head")
+    per_tile = np.asarray(tile_stats.certified_tiles[0])
+    assert per_tile[0].any() and not per_tile[0].all() and per_tile[1].all()
+    np.testing.assert_array_equal(np.asarray(head_stats.certified_tiles[0, 0]), False)
+    np.testing.assert_array_equal(np.asarray(head_stats.certified_tiles[0, 1]), True)
+    np.testing.assert_allclose(np.asarray(head_stats.certified_fraction_per_head), [0.0, 1.0])
+    want = ref.attention(q, k, v, do, causal=True)
+    assert ref.rel_err(out, want[0]) < TOLERANCE[jnp.float32][0]
+
+  def test_runs_under_jit(self):
+    q, k, v, _ = random_inputs(6, 1, 64, 2, 1, 64, jnp.bfloat16)
+    f = jax.jit(lambda q, k, v: self.run(q, k, v, causal=True))
+    np.testing.assert_array_equal(np.asarray(f(q, k, v), np.float32), np.asarray(self.run(q, k, v), np.float32))

@@ -1,0 +1,138 @@
+"""The public API: bad input errors, dispatch, stats, shard_map, and Triton lowering without a GPU."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import f64_reference as ref
+from attention_base import random_inputs
+from clis_kernels import attention, pallas_gpu, pallas_tpu, reference
+
+q0 = jnp.zeros((2, 32, 4, 64), jnp.float32)
+kv0 = jnp.zeros((2, 32, 2, 64), jnp.float32)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(q=jnp.zeros((2, 32, 64))), "q must be \\[batch, seq, heads, head_dim\\]"),
+    (dict(k=jnp.zeros((2, 32, 2, 32)), v=jnp.zeros((2, 32, 2, 32))), "q and k must agree"),
+    (dict(v=jnp.zeros((2, 32, 2, 32))), "k and v must have the same shape"),
+    (dict(k=jnp.zeros((2, 32, 3, 64)), v=jnp.zeros((2, 32, 3, 64))), "Hq=4 must be a multiple of kv heads Hkv=3"),
+    (dict(segment_ids=jnp.zeros((2, 31), jnp.int32)), "segment_ids must be \\[batch, seq\\]"),
+    (dict(segment_ids=jnp.zeros((2, 32), jnp.float32)), "segment_ids must be an integer array"),
+    (dict(stabilizer="fixed"), "stabilizer='fixed' must be one of"),
+    (dict(implementation="cuda"), "implementation='cuda' is not one of"),
+    (dict(granularity="row"), "granularity='row' must be one of"),
+    (dict(tau=0.0), "tau=0.0 must be positive"),
+    (dict(q=q0.astype(jnp.bfloat16)), "q, k, v must share a dtype"),
+    (dict(q=q0.astype(jnp.int32)), "q.dtype=int32 must be float32"),
+    (dict(k=jnp.zeros((2, 16, 2, 64)), v=jnp.zeros((2, 16, 2, 64))), "causal or packed attention needs equal"),
+    (dict(implementation="pallas_gpu"), "needs a GPU device but this platform is 'cpu': pass interpret=True"),
+    (dict(implementation="pallas_tpu"), "needs a TPU device but this platform is 'cpu': pass interpret=True"),
+    (dict(implementation="reference", block_sizes=pallas_gpu.BlockSizes()), "block_sizes for implementation='reference'"),
+])
+def test_bad_input_names_the_argument(kwargs, message):
+  args = dict(q=q0, k=kv0, v=kv0, segment_ids=None)
+  args.update(kwargs)
+  q, k, v, seg = args.pop("q"), args.pop("k"), args.pop("v"), args.pop("segment_ids")
+  with pytest.raises(ValueError, match=message):
+    attention(q, k, v, seg, **args)
+
+
+@pytest.mark.parametrize("cls,kwargs,message", [
+    (pallas_gpu.BlockSizes, dict(block_q=48), "block_q=48 must be a power of two"),
+    (pallas_gpu.BlockSizes, dict(num_warps=3), "num_warps=3 must be one of"),
+    (pallas_tpu.BlockSizes, dict(block_k=4), "block_k=4 must be a power of two >= 8"),
+    (reference.BlockSizes, dict(block_q=3), "block_q=3 must be a power of two"),
+])
+def test_block_sizes_are_validated(cls, kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    cls(**kwargs)
+
+
+def test_cpu_default_is_the_reference_and_matches_xla():
+  q, k, v, _ = random_inputs(0, 2, 40, 4, 2, 64, jnp.float32)
+  auto = attention(q, k, v)
+  np.testing.assert_array_equal(np.asarray(auto), np.asarray(attention(q, k, v, implementation="reference")))
+  np.testing.assert_allclose(np.asarray(auto), np.asarray(attention(q, k, v, implementation="xla")), atol=2e-6)
+
+
+def test_xla_path_follows_the_segment_convention():
+  q, k, v, do = random_inputs(1, 1, 24, 2, 2, 64, jnp.float32)
+  seg = jnp.asarray([[1] * 10 + [2] * 10 + [0] * 4], jnp.int32)
+  out = attention(q, k, v, seg, implementation="xla")
+  want = ref.attention(q, k, v, do, seg, causal=True)[0]
+  assert ref.rel_err(out, want) < 1e-5
+
+
+def test_stats_report_fractions_per_head():
+  q, k, v, _ = random_inputs(2, 2, 64, 4, 2, 64, jnp.float32)
+  k = k.at[1, 3, 1].multiply(1e3)  # batch 1, kv head 1 -> query heads 2 and 3
+  _, stats = attention(q, k, v, causal=False, return_stats=True, block_sizes=reference.BlockSizes(16, 16))
+  assert stats.certified_tiles.shape == (2, 4, 4)
+  np.testing.assert_allclose(np.asarray(stats.certified_fraction_per_head), [1.0, 1.0, 0.5, 0.5])
+  assert float(stats.certified_fraction) == pytest.approx(0.75)
+  _, online = attention(q, k, v, causal=False, stabilizer="online", return_stats=True)
+  assert float(online.certified_fraction) == 0.0
+
+
+SMALL_TILES = {
+    "reference": reference.BlockSizes(16, 16),
+    "pallas_tpu": pallas_tpu.BlockSizes(16, 16, 16, 16, 16, 16),
+    "pallas_gpu": pallas_gpu.BlockSizes(block_q=16, block_k=16, block_q_dq=16, block_k_dq=16, block_q_dkv=16,
+                                        block_k_dkv=16),
+}
+
+
+# JAX's GPU interpret mode cannot run kernels under check_vma (its grid loop drops the
+# varying-axis types), so the Triton kernels are checked with check_vma=False here.
+@pytest.mark.parametrize("implementation,check_vma", [("reference", True), ("pallas_tpu", True),
+                                                      ("pallas_gpu", False)])
+def test_shard_map_over_batch_and_heads(implementation, check_vma):
+  devices = np.array(jax.devices()[:4]).reshape(2, 2)
+  mesh = jax.sharding.Mesh(devices, ("data", "tensor"))
+  q, k, v, do = random_inputs(3, 4, 48, 4, 2, 64, jnp.float32)
+  seg = jnp.asarray(np.repeat([[1] * 20 + [2] * 28], 4, 0), jnp.int32)
+
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P("data", None, "tensor"),) * 3 + (P("data"),),
+                     out_specs=P("data", None, "tensor"), check_vma=check_vma)
+  def sharded(q, k, v, seg):
+    return attention(q, k, v, seg, implementation=implementation, interpret=implementation != "reference",
+                     block_sizes=SMALL_TILES[implementation])
+
+  out, vjp = jax.vjp(jax.jit(sharded), q, k, v, seg)
+  got = (out, *vjp(do)[:3])
+  want = ref.attention(q, k, v, do, seg, causal=True)
+  for g, w in zip(got, want):
+    assert ref.rel_err(g, w) < 5e-5
+
+
+def _lower_for_h200(fn, *args):
+  """Lowers through Pallas's Triton backend to Triton IR for an H200, on a machine with no GPU."""
+  device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+  mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,), abstract_device=device)
+  with jax.sharding.use_abstract_mesh(mesh):
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("causal,packed,dtype", [(True, False, jnp.bfloat16), (True, True, jnp.bfloat16),
+                                                 (False, False, jnp.float32), (False, True, jnp.bfloat16)])
+def test_triton_kernels_lower_for_the_gpu(monkeypatch, causal, packed, dtype):
+  """Catches ops the Triton backend cannot lower (interpret mode would not) without a GPU."""
+  monkeypatch.setattr("clis_kernels.api._platform", lambda: "gpu")
+  q = jax.ShapeDtypeStruct((1, 200, 8, 128), dtype)
+  k = jax.ShapeDtypeStruct((1, 200, 2, 128), dtype)
+  seg = jax.ShapeDtypeStruct((1, 200), jnp.int32) if packed else None
+
+  def loss(q, k, v, seg):
+    out = attention(q, k, v, seg, causal=causal, implementation="pallas_gpu")
+    return out.astype(jnp.float32).sum()
+
+  text = _lower_for_h200(jax.grad(loss, argnums=(0, 1, 2)), q, k, k, seg)
+  for name in ("clis_fwd", "clis_bwd_dq", "clis_bwd_dkv"):
+    assert name in text

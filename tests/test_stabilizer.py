@@ -1,0 +1,176 @@
+"""The certificate's soundness (pure JAX, no kernels).
+
+On many random and skewed inputs: the upper bound is never below the true row max, the
+lower bound never above it, and wherever a tile is certified the true max is within τ of
+the bound. And the threshold is not vacuous: forcing the fixed stabilizer past the floor T
+loses accuracy, which is exactly where the real certificate refuses.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import f64_reference as ref
+from clis_kernels import reference, stabilizer
+from clis_kernels.stabilizer import LOG2E, Certificate
+
+BLOCK_Q = 16
+
+
+def true_row_max(q, k, segment_ids, causal, scale):
+  """[B, Hq, S] max visible logit in base 2, float64 (-inf where nothing is visible)."""
+  q64, k64 = np.asarray(q, np.float64), np.asarray(k, np.float64)
+  k64 = np.repeat(k64, q.shape[2] // k.shape[2], axis=2)
+  s = np.einsum("bqhd,bkhd->bhqk", q64, k64) * scale * LOG2E
+  mask = ref.visible(q.shape[1], k.shape[1], None if segment_ids is None else np.asarray(segment_ids), causal)
+  return np.where(mask[:, None], s, -np.inf).max(-1)
+
+
+def skewed_inputs(seed, kind, batch=2, seq=64, hq=4, hkv=2, d=32):
+  rng = np.random.default_rng(seed)
+  q = rng.standard_normal((batch, seq, hq, d))
+  k = rng.standard_normal((batch, seq, hkv, d))
+  if kind == "common_component":  # trained-model-like keys: a large shared direction
+    k += 6.0 * rng.standard_normal((1, 1, hkv, d))
+  elif kind == "sink":
+    k[:, rng.integers(seq)] *= 50.0
+  elif kind == "heavy_tail":
+    k *= rng.standard_cauchy((batch, seq, hkv, 1)).clip(-30, 30)
+    q *= rng.standard_cauchy((batch, seq, hq, 1)).clip(-30, 30)
+  elif kind == "scaled":
+    q *= 8.0
+    k *= 8.0
+  elif kind == "aligned":  # q and k share a direction: large positive logits, small spread
+    direction = rng.standard_normal(d)
+    q = 5.0 * direction + 0.1 * q
+    k = 5.0 * direction + 0.1 * k
+  return jnp.asarray(q, jnp.float32), jnp.asarray(k, jnp.float32), jnp.asarray(rng.standard_normal(k.shape), jnp.float32)
+
+
+def packed(seed, batch, seq):
+  rng = np.random.default_rng(seed)
+  ids = np.stack([np.searchsorted(np.sort(rng.choice(np.arange(1, seq), 4, replace=False)), np.arange(seq),
+                                  side="right") + 1 for _ in range(batch)])
+  ids[:, :2] = 0
+  return jnp.asarray(ids, jnp.int32)
+
+
+KINDS = ["gaussian", "common_component", "sink", "heavy_tail", "scaled", "aligned"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("causal,is_packed", [(True, False), (True, True), (False, False), (False, True)])
+def test_bounds_hold_and_certified_tiles_are_within_tau(kind, causal, is_packed):
+  scale = 1 / math.sqrt(32)
+  for seed in range(4):
+    q, k, v = skewed_inputs(seed, kind)
+    seg = packed(seed, q.shape[0], q.shape[1]) if is_packed else None
+    tau = 8.0
+    cert = stabilizer.certify(q, k, v, seg, causal=causal, scale=scale, tau=tau, granularity="tile",
+                              block_q=BLOCK_Q, seq_len=q.shape[1])
+    row_max = true_row_max(q, k, seg, causal, scale)
+    seen = np.isfinite(row_max)
+    upper, lower = np.asarray(cert.upper, np.float64), np.asarray(cert.lower, np.float64)
+    slack = 1e-4 * (1 + np.abs(row_max[seen]))  # f32 arithmetic of the bound itself
+    assert np.all(upper[seen] >= row_max[seen] - slack), "upper bound below the true max"
+    assert np.all(lower[seen] <= row_max[seen] + slack), "lower bound above the true max"
+    tiles = np.repeat(np.asarray(cert.certified), BLOCK_Q, axis=-1)
+    certified_rows = tiles & seen
+    gap = upper - row_max
+    assert np.all(gap[certified_rows] <= tau * LOG2E + slack.max()), "a certified row is farther than tau"
+    # The stabilizer of a certified row never lets a weight exceed 2^h (no overflow).
+    headroom, _ = stabilizer.headroom_and_floor(v, segment_ids=seg, seq_len=q.shape[1])
+    top = row_max - np.asarray(cert.m)
+    h = np.repeat(np.asarray(headroom), q.shape[2] // k.shape[2], axis=1)[..., None]
+    assert np.all((top <= h + 1e-3)[certified_rows])
+
+
+def test_sink_and_scale_make_certification_fail():
+  scale = 1 / math.sqrt(32)
+  q, k, v = skewed_inputs(0, "gaussian")
+  ok = stabilizer.certify(q, k, v, None, causal=False, scale=scale, tau=64.0, granularity="tile", block_q=BLOCK_Q,
+                          seq_len=q.shape[1])
+  assert bool(ok.certified.all())
+  k_sink = k.at[:, 5].multiply(1e3)
+  bad = stabilizer.certify(q, k_sink, v, None, causal=False, scale=scale, tau=64.0, granularity="tile",
+                           block_q=BLOCK_Q, seq_len=q.shape[1])
+  assert not bool(bad.certified.any())
+
+
+def test_floor_depends_on_dtype_and_length():
+  v32 = jnp.ones((1, 4096, 1, 8), jnp.float32)
+  h32, t32 = stabilizer.headroom_and_floor(v32, segment_ids=None, seq_len=4096)
+  h16, t16 = stabilizer.headroom_and_floor(v32.astype(jnp.bfloat16), segment_ids=None, seq_len=4096)
+  hf16, tf16 = stabilizer.headroom_and_floor(v32.astype(jnp.float16), segment_ids=None, seq_len=4096)
+  assert (t32, t16) == (126 - 25 - 12, 126 - 9 - 12)
+  assert tf16 < 0 and float(hf16.max()) < 16  # f16 has no range to spare: never certified
+  assert float(h32.max()) == float(h16.max()) == 126 - 12  # (maxexp - 2) - log2 N - 0
+  big_v = stabilizer.headroom_and_floor(v32 * 2.0**20, segment_ids=None, seq_len=4096)[0]
+  assert float(big_v.max()) == 126 - 12 - 20
+
+
+def _wide_rows(seed, gap_bits, seq=64, d=32):
+  """Bidirectional rows whose logits span about `gap_bits` (base 2) between bound and max."""
+  rng = np.random.default_rng(seed)
+  q = rng.standard_normal((1, seq, 1, d))
+  q /= np.linalg.norm(q, axis=-1, keepdims=True)
+  k = rng.standard_normal((1, seq, 1, d))
+  k /= np.linalg.norm(k, axis=-1, keepdims=True)
+  radius = np.linalg.norm(k - k.mean(1, keepdims=True), axis=-1).max()
+  scale = gap_bits / (LOG2E * radius)  # U - L = σ·log2e·‖q‖·R = gap_bits exactly
+  v = rng.standard_normal((1, seq, 1, d))
+  return (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)), float(scale)
+
+
+def test_forcing_past_the_floor_loses_accuracy_where_the_certificate_refuses():
+  (q, k, v), scale = _wide_rows(0, gap_bits=600.0)
+  do = jnp.zeros_like(q)
+  want = ref.attention(q, k, v, do, causal=False, scale=scale)[0]
+  bs = reference.BlockSizes(block_q=16, block_k=16)
+  real = stabilizer.certify(q, k, v, None, causal=False, scale=scale, tau=1e9, granularity="tile", block_q=16,
+                            seq_len=q.shape[1])
+  assert not bool(real.certified.any()), "a 600-bit gap exceeds h + T for bf16 and must not certify"
+  # Force certification with M = U (no headroom): the dominant weight underflows.
+  forced = Certificate(m=real.upper, certified=jnp.ones_like(real.certified), upper=real.upper, lower=real.lower,
+                       threshold=real.threshold)
+  kw = dict(causal=False, scale=scale, kv_len=None, block_sizes=bs)
+  forced_out, _ = reference.forward(q, k, v, None, forced, **kw)
+  online_out, _ = reference.forward(q, k, v, None, None, **kw)
+  real_out, _ = reference.forward(q, k, v, None, real, **kw)
+  online_err = ref.rel_err(online_out, want)
+  assert ref.rel_err(real_out, want) == online_err  # refused: it ran the online path
+  assert ref.rel_err(forced_out, want) > 10 * online_err  # and refusing was right
+
+
+@pytest.mark.parametrize("gap_bits", [40.0, 150.0, 200.0])
+def test_certified_near_the_floor_is_as_accurate_as_online(gap_bits):
+  """With tau out of the way, rows certified by h + T alone keep online accuracy (bf16)."""
+  errs = {"clis": [], "online": []}
+  certified_any = False
+  for seed in range(6):
+    (q, k, v), scale = _wide_rows(seed, gap_bits)
+    want = ref.attention(q, k, v, jnp.zeros_like(q), causal=False, scale=scale)[0]
+    cert = stabilizer.certify(q, k, v, None, causal=False, scale=scale, tau=1e9, granularity="tile", block_q=16,
+                              seq_len=q.shape[1])
+    certified_any |= bool(cert.certified.any())
+    kw = dict(causal=False, scale=scale, kv_len=None, block_sizes=reference.BlockSizes(16, 16))
+    errs["clis"].append(ref.rel_err(reference.forward(q, k, v, None, cert, **kw)[0], want))
+    errs["online"].append(ref.rel_err(reference.forward(q, k, v, None, None, **kw)[0], want))
+  assert certified_any
+  assert np.mean(errs["clis"]) <= 1.25 * np.mean(errs["online"]), errs
+
+
+def test_head_granularity_needs_every_tile():
+  scale = 1 / math.sqrt(32)
+  q, k, v = skewed_inputs(1, "gaussian", batch=1)
+  k = k.at[0, 40, 0].multiply(1e3)
+  kw = dict(causal=True, scale=scale, tau=64.0, block_q=BLOCK_Q, seq_len=q.shape[1])
+  tile = stabilizer.certify(q, k, v, None, granularity="tile", **kw).certified
+  head = stabilizer.certify(q, k, v, None, granularity="head", **kw).certified
+  np.testing.assert_array_equal(np.asarray(head), np.broadcast_to(np.asarray(tile).all(-1, keepdims=True), tile.shape))
+  assert bool(tile[0, 0].any()) and not bool(head[0, 0].any())
