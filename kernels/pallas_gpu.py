@@ -107,22 +107,18 @@ def _fwd_kernel(*refs, has_segments: bool, fixed_mode: bool, causal: bool, sigma
     return plgpu.dot(p.astype(v.dtype), v, precision=precision)
 
   def fixed_body(start_k, carry, masked):
-    # No max, no rescale. l sums the weights that multiplied V (rounded to v's dtype);
-    # l_lse sums the unrounded ones for the saved lse (stabilizer.py says why).
-    acc, m, l, l_lse = carry
-    p = jnp.exp2(scores(start_k, masked) - m[:, None])
-    p_lo = p.astype(v_ref.dtype)
-    l_lse = l_lse + p.sum(axis=1) if exact_lse else l_lse
-    return acc + pv(p_lo, start_k), m, l + p_lo.astype(jnp.float32).sum(axis=1), l_lse
+    # No max, no rescale; l sums the weights that multiplied V, rounded to v's dtype (stabilizer.py).
+    acc, m, l = carry
+    p = jnp.exp2(scores(start_k, masked) - m[:, None]).astype(v_ref.dtype).astype(jnp.float32)
+    return acc + pv(p, start_k), m, l + p.sum(axis=1)
 
   def online_body(start_k, carry, masked):
-    acc, m, l, _ = carry
+    acc, m, l = carry
     s = scores(start_k, masked)
     m_new = jnp.maximum(m, s.max(axis=1))
     alpha = jnp.exp2(m - m_new)
     p = jnp.exp2(s - m_new[:, None])
-    l = l * alpha + p.sum(axis=1)
-    return acc * alpha[:, None] + pv(p, start_k), m_new, l, l
+    return acc * alpha[:, None] + pv(p, start_k), m_new, l * alpha + p.sum(axis=1)
 
   # Blocks [0, num_full) need no mask unless segments hide keys; [num_full, num_total) do.
   if causal:
@@ -132,25 +128,22 @@ def _fwd_kernel(*refs, has_segments: bool, fixed_mode: bool, causal: bool, sigma
     num_full, num_total = masks.bidirectional_kv_blocks(kv_len=kv_len, block_k=block_k, num_kv_blocks=num_kv_blocks)
   always_masked = qseg_ref is not None
 
-  exact_lse = v_ref.dtype != jnp.float32
-  zeros = jnp.zeros((block_q,), jnp.float32)
-
   def run(body, m0):
-    carry = (jnp.zeros(o_ref.shape, jnp.float32), m0, zeros, zeros)
+    carry = (jnp.zeros(o_ref.shape, jnp.float32), m0, jnp.zeros((block_q,), jnp.float32))
     carry = lax.fori_loop(0, num_full, functools.partial(body, masked=always_masked), carry)
     return lax.fori_loop(num_full, num_total, functools.partial(body, masked=True), carry)
 
   online = lambda: run(online_body, jnp.full((block_q,), NEG, jnp.float32))
   if fixed_mode:
     certified = jnp.sum(cert_ref[...]) > 0
-    acc, m, l, l_lse = lax.cond(certified, lambda: run(fixed_body, m_ref[...]), online)
-    l_lse = l_lse if exact_lse else l
+    acc, m, l = lax.cond(certified, lambda: run(fixed_body, m_ref[...]), online)
   else:
-    acc, m, l, l_lse = online()
+    acc, m, l = online()
 
   empty = (l == 0.0) | (m == NEG)
-  o_ref[...] = jnp.where(empty[:, None], 0.0, acc / jnp.where(empty, 1.0, l)[:, None]).astype(o_ref.dtype)
-  lse_ref[...] = jnp.where(empty, EMPTY_LSE, m + jnp.log2(jnp.where(empty, 1.0, l_lse)))
+  l_safe = jnp.where(empty, 1.0, l)
+  o_ref[...] = jnp.where(empty[:, None], 0.0, acc / l_safe[:, None]).astype(o_ref.dtype)
+  lse_ref[...] = jnp.where(empty, EMPTY_LSE, m + jnp.log2(l_safe))
 
 
 def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv_len, block_sizes: BlockSizes,

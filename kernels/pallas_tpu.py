@@ -119,7 +119,7 @@ def _fwd_kernel(cert_ref, *refs, has_segments, fixed_mode, causal, sigma2, block
                 num_q_blocks, num_kv_blocks, num_heads, precision):
   q_ref, k_ref, v_ref = refs[:3]
   qseg_ref, kseg_ref = refs[3:5] if has_segments else (None, None)
-  m_in_ref, o_ref, lse_ref, acc_scr, m_scr, l_scr, l_lse_scr = refs[-7:]
+  m_in_ref, o_ref, lse_ref, acc_scr, m_scr, l_scr = refs[-6:]
   b, h, i, j = (pl.program_id(a) for a in range(4))
   if fixed_mode:
     certified = cert_ref[(b * num_heads + h) * num_q_blocks + i] != 0
@@ -130,7 +130,6 @@ def _fwd_kernel(cert_ref, *refs, has_segments, fixed_mode, causal, sigma2, block
   def _init():
     m_scr[...] = jnp.where(certified, m_in_ref[...], NEG)
     l_scr[...] = jnp.zeros_like(l_scr)
-    l_lse_scr[...] = jnp.zeros_like(l_lse_scr)
     acc_scr[...] = jnp.zeros_like(acc_scr)
 
   def update(masked, fixed):
@@ -140,18 +139,15 @@ def _fwd_kernel(cert_ref, *refs, has_segments, fixed_mode, causal, sigma2, block
       s = jnp.where(mask, s, NEG)
     m_prev = m_scr[...]
     if fixed:  # the stabilizer is loop-invariant: no max, no rescale
-      p = jnp.exp2(s - m_prev)
-      p_lo = p.astype(v_ref.dtype)  # l sums the weights that multiplied V; l_lse the exact ones
-      l_scr[...] += p_lo.astype(jnp.float32).sum(axis=1, keepdims=True)
-      l_lse_scr[...] += p.sum(axis=1, keepdims=True)
-      acc_scr[...] += nn_dot(p_lo, v_ref[...], precision)
+      p = jnp.exp2(s - m_prev).astype(v_ref.dtype)  # l sums the weights that multiplied V
+      l_scr[...] += p.astype(jnp.float32).sum(axis=1, keepdims=True)
+      acc_scr[...] += nn_dot(p, v_ref[...], precision)
     else:
       m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
       alpha = jnp.exp2(m_prev - m_new)
       p = jnp.exp2(s - m_new)
       m_scr[...] = m_new
       l_scr[...] = alpha * l_scr[...] + p.sum(axis=1, keepdims=True)
-      l_lse_scr[...] = l_scr[...]
       acc_scr[...] = alpha * acc_scr[...] + nn_dot(p.astype(v_ref.dtype), v_ref[...], precision)
 
   runs, needs_mask = block_flags(i, j, causal=causal, has_segments=has_segments, kv_len=kv_len,
@@ -165,8 +161,9 @@ def _fwd_kernel(cert_ref, *refs, has_segments, fixed_mode, causal, sigma2, block
   def _finish():
     l, m = l_scr[...], m_scr[...]
     empty = (l == 0.0) | (m == NEG)
-    o_ref[...] = jnp.where(empty, 0.0, acc_scr[...] / jnp.where(empty, 1.0, l)).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(empty, EMPTY_LSE, m + jnp.log2(jnp.where(empty, 1.0, l_lse_scr[...])))
+    l_safe = jnp.where(empty, 1.0, l)
+    o_ref[...] = jnp.where(empty, 0.0, acc_scr[...] / l_safe).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(empty, EMPTY_LSE, m + jnp.log2(l_safe))
 
 
 def to_head_major(x):
@@ -219,7 +216,7 @@ def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv
           grid=(batch, num_heads, nq, nk),
           in_specs=in_specs,
           out_specs=[pl.BlockSpec((None, None, bq, head_dim), q_index), pl.BlockSpec((None, None, bq, 1), q_index)],
-          scratch_shapes=[pltpu.VMEM((bq, head_dim), jnp.float32)] + [pltpu.VMEM((bq, 1), jnp.float32)] * 3),
+          scratch_shapes=[pltpu.VMEM((bq, head_dim), jnp.float32)] + [pltpu.VMEM((bq, 1), jnp.float32)] * 2),
       out_shape=[out_struct((batch, num_heads, seq, head_dim), q.dtype, q),
                  out_struct((batch, num_heads, seq, 1), jnp.float32, q)],
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),

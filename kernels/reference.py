@@ -91,7 +91,7 @@ def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv
     m0 = jnp.where(fixed, to_rows(cert.m), NEG)
 
   def step(carry, xs):
-    acc, m, l, l_exact = carry
+    acc, m, l = carry
     u, k_u, v_u = xs
     s = jnp.einsum("bqhgd,bkhd->bqhgk", qg, k_u, precision=prec, preferred_element_type=jnp.float32) * sigma2
     mask = _block_mask(segment_ids, u * bk, bk, sq, causal=causal, kv_len=kv_len)
@@ -102,19 +102,17 @@ def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv
     p = jnp.exp2(s - m_new[..., None])
     p_lo = p.astype(v.dtype)
     pv = jnp.einsum("bqhgk,bkhd->bqhgd", p_lo, v_u, precision=prec, preferred_element_type=jnp.float32)
-    # Fixed rows normalise the output by the weights that multiplied V (see stabilizer.py).
+    # Fixed rows sum the weights that multiplied V (see stabilizer.py).
     row_sum = jnp.where(fixed, p_lo.astype(jnp.float32).sum(-1), p.sum(-1))
-    return (acc * alpha[..., None] + pv, m_new, l * alpha + row_sum, l_exact + p.sum(-1)), None
+    return (acc * alpha[..., None] + pv, m_new, l * alpha + row_sum), None
 
-  zeros = jnp.zeros(m0.shape, jnp.float32)
-  init = jax.tree.map(lambda x: varying_like(x, q), (jnp.zeros(qg.shape, jnp.float32), m0, zeros, zeros))
+  init = jax.tree.map(lambda x: varying_like(x, q), (jnp.zeros(qg.shape, jnp.float32), m0, jnp.zeros(m0.shape)))
   nk = k.shape[1] // bk
-  (acc, m, l, l_exact), _ = jax.lax.scan(step, init, (jnp.arange(nk), _kv_blocks(k, bk), _kv_blocks(v, bk)))
+  (acc, m, l), _ = jax.lax.scan(step, init, (jnp.arange(nk), _kv_blocks(k, bk), _kv_blocks(v, bk)))
   empty = (l == 0) | (m == NEG)
   l_safe = jnp.where(empty, 1.0, l)
   o = jnp.where(empty[..., None], 0.0, acc / l_safe[..., None])
-  lse_l = jnp.where(fixed, l_exact, l)
-  lse = jnp.where(empty, EMPTY_LSE, m + jnp.log2(jnp.where(empty, 1.0, lse_l)))
+  lse = jnp.where(empty, EMPTY_LSE, m + jnp.log2(l_safe))
   return o.reshape(q.shape).astype(q.dtype), lse.reshape(b, sq, hq).transpose(0, 2, 1)
 
 

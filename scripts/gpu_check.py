@@ -1,5 +1,6 @@
 """Correctness and first timings of the Triton kernels on an NVIDIA GPU.
 
+0. shard_map with check_vma=True on the compiled kernels, and an attention sink's fallback.
 1. A sweep of small cases (D 64/128/256, GQA, packed segments, odd lengths, bf16/f32):
    forward and dq/dk/dv of `clis` and `online` against a float32 XLA reference.
 2. The issue's case, B=1 S=8192 Hq=32 Hkv=8 D=128 causal bf16: errors of both
@@ -23,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from clis_kernels import attention
+from clis_kernels import attention, pallas_gpu, stabilizer
 
 
 def rel(a, b):
@@ -74,6 +75,33 @@ def check_case(name, b, s, hq, hkv, d, dtype, causal, packed, seed):
   return records
 
 
+def check_shard_map_and_sink():
+  """shard_map (check_vma=True) over a 1x1 mesh, and an attention sink, on the compiled kernels."""
+  q, k, v, do = make(jax.random.PRNGKey(7), 2, 512, 8, 2, 128, jnp.bfloat16)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "tensor"))
+  spec = jax.sharding.PartitionSpec("data", None, "tensor")
+  plain = lambda q, k, v: attention(q, k, v, implementation="pallas_gpu")
+  sharded = jax.shard_map(plain, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=True)
+  want = jax.vjp(plain, q, k, v)
+  got = jax.vjp(jax.jit(sharded), q, k, v)
+  errs = [rel(a, b) for a, b in zip((got[0], *got[1](do)), (want[0], *want[1](do)))]
+  print(f"shard_map check_vma=True vs plain: {errs}", flush=True)
+  records = [dict(case="shard_map_check_vma", impl="pallas_gpu", pass_="check", B=2, S=512, Hq=8, Hkv=2, D=128,
+                  causal=True, **{f"rel_err_{n}": e for n, e in zip(("out", "dq", "dk", "dv"), errs)})]
+  sink = k.at[:, 300].multiply(300.0)
+  with jax.default_matmul_precision("highest"):
+    exact = attention(*(x.astype(jnp.float32) for x in (q, sink, v)), implementation="xla")
+  out, stats = attention(q, sink, v, implementation="pallas_gpu", return_stats=True)
+  tiles = np.asarray(stats.certified_tiles[0, 0]).astype(int).tolist()
+  err = rel(out, exact)
+  print(f"attention sink at 300: certified tiles of (batch 0, head 0) {tiles}, rel err {err:.2e}", flush=True)
+  records.append(dict(case="attention_sink_pos300", impl="pallas_gpu", stabilizer="clis", pass_="check", B=2, S=512,
+                      Hq=8, Hkv=2, D=128, causal=True, certified_tiles_b0h0=tiles,
+                      certified_fraction=float(stats.certified_fraction), rel_err_out=err,
+                      finite=bool(jnp.isfinite(out.astype(jnp.float32)).all())))
+  return records
+
+
 def timed(fn, args, inner):
   t0 = time.perf_counter()
   out = None
@@ -90,7 +118,9 @@ def bench(b, s, hq, hkv, d, causal, repeats, inner):
       "online": lambda q, k, v: attention(q, k, v, causal=causal, implementation="pallas_gpu", stabilizer="online"),
       "cudnn": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn"),
   }
-  fns = {}
+  fns = {("clis_prepass", "fwd"): jax.jit(lambda q, k, v: stabilizer.certify(
+      q, k, v, None, causal=causal, scale=d**-0.5, tau=64.0, granularity="tile",
+      block_q=pallas_gpu.default_block_sizes(d, s, q.dtype).tile, seq_len=s))}
   for name, f in variants.items():
     fns[(name, "fwd")] = jax.jit(f)
     fns[(name, "fwd_bwd")] = jax.jit(lambda q, k, v, do, f=f: jax.vjp(f, q, k, v)[1](do))
@@ -107,14 +137,16 @@ def bench(b, s, hq, hkv, d, causal, repeats, inner):
   for (name, pass_), ms in samples.items():
     med = statistics.median(ms)
     flops = flops_fwd * (3.5 if pass_ == "fwd_bwd" else 1.0)
+    tflops = None if name == "clis_prepass" else flops / med / 1e9
     records.append(dict(case=f"{'causal' if causal else 'bidir'}_S{s}_H{hq}_{hkv}", impl=name, pass_=pass_, ms=med,
-                        ms_min=min(ms), ms_max=max(ms), tflops=flops / med / 1e9, B=b, S=s, Hq=hq, Hkv=hkv, D=d,
+                        ms_min=min(ms), ms_max=max(ms), tflops=tflops, B=b, S=s, Hq=hq, Hkv=hkv, D=d,
                         causal=causal, repeat=repeats, inner=inner))
   base = {r["pass_"]: r["ms"] for r in records if r["impl"] == "online"}
   for r in records:
     r["speedup_vs_online"] = base[r["pass_"]] / r["ms"]
-    print(f"{r['case']:22s} {r['impl']:7s} {r['pass_']:8s} {r['ms']:8.3f} ms  [{r['ms_min']:.3f}, {r['ms_max']:.3f}]  "
-          f"{r['tflops']:6.1f} TFLOP/s  x{r['speedup_vs_online']:.3f} vs online", flush=True)
+    rate = "   pre-pass  " if r["tflops"] is None else f"{r['tflops']:6.1f} TFLOP/s"
+    print(f"{r['case']:22s} {r['impl']:12s} {r['pass_']:8s} {r['ms']:8.3f} ms  [{r['ms_min']:.3f}, {r['ms_max']:.3f}]  "
+          f"{rate}  x{r['speedup_vs_online']:.3f} vs online", flush=True)
   return records
 
 
@@ -140,6 +172,7 @@ def main():
     ]):
       name = f"{'causal' if causal else 'bidir'}{'_packed' if packed else ''}_S{s}_D{d}_G{hq // hkv}_{jnp.dtype(dt).name}"
       records += check_case(name, b, s, hq, hkv, d, dt, causal, packed, seed=i)
+  records += check_shard_map_and_sink()
   records += check_case("issue_causal_S8192_H32_8_D128", 1, 8192, 32, 8, 128, jnp.bfloat16, True, False, seed=99)
   records += bench(1, 8192, 32, 8, 128, True, args.repeats, args.inner)
   for r in records:
