@@ -20,7 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from clis_kernels import masks
-from clis_kernels.shapes import out_struct
+from clis_kernels.common import dot_precision, out_struct
 from clis_kernels.stabilizer import EMPTY_LSE, LOG2E, NEG, Certificate
 
 
@@ -74,10 +74,6 @@ def default_block_sizes(head_dim: int, seq_len: int, dtype) -> BlockSizes:
     return BlockSizes(fit(128), fit(64), 8, 3, fit(64), fit(64), fit(64), fit(64), 4, 2)
   return BlockSizes(fit(64), fit(32), 8, 2, fit(32), fit(32), fit(32), fit(32), 4, 1)
 
-
-def dot_precision(dtype):
-  """f32 inputs get true f32 products (not tf32); low precision uses the tensor cores."""
-  return lax.Precision.HIGHEST if dtype == jnp.float32 else None
 
 
 def _fwd_kernel(*refs, has_segments: bool, fixed_mode: bool, causal: bool, sigma2: float, block_q: int, block_k: int,

@@ -18,8 +18,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from clis_kernels import masks
-from clis_kernels.shapes import out_struct
-from clis_kernels.pallas_gpu import BlockSizes, dot_precision
+from clis_kernels.common import dot_precision, out_struct
+from clis_kernels.pallas_gpu import BlockSizes
 from clis_kernels.stabilizer import LOG2E, NEG
 
 

@@ -20,7 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from clis_kernels import masks
-from clis_kernels.shapes import out_struct
+from clis_kernels.common import dot_precision, out_struct
 from clis_kernels.stabilizer import EMPTY_LSE, LOG2E, NEG, Certificate
 
 
@@ -61,9 +61,6 @@ def interpret_mode(interpret: bool):
   """TPU interpret mode (simulated VMEM/SMEM/DMA) when asked, else compile for the TPU."""
   return pltpu.InterpretParams() if interpret else False
 
-
-def dot_precision(dtype):
-  return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
 
 
 def nt_dot(a, b, precision):

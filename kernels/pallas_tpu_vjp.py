@@ -16,8 +16,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from clis_kernels.shapes import out_struct
-from clis_kernels.pallas_tpu import (BlockSizes, block_flags, block_mask, dot_precision, interpret_mode,
+from clis_kernels.common import dot_precision, out_struct
+from clis_kernels.pallas_tpu import (BlockSizes, block_flags, block_mask, interpret_mode,
                                      last_visible_kv_block, nn_dot, nt_dot, segment_operands, tn_dot, to_head_major)
 from clis_kernels.stabilizer import LOG2E, NEG
 

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from clis_kernels import masks
-from clis_kernels.shapes import varying_like
+from clis_kernels.common import dot_precision, varying_like
 from clis_kernels.stabilizer import EMPTY_LSE, LOG2E, NEG, Certificate
 
 
@@ -47,9 +47,6 @@ def default_block_sizes(head_dim: int, seq_len: int, dtype) -> BlockSizes:
   return BlockSizes(block_q=min(128, cap), block_k=min(128, cap))
 
 
-def _precision(dtype):
-  return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else jax.lax.Precision.DEFAULT
-
 
 def _grouped(q, num_kv_heads):
   b, s, hq, d = q.shape
@@ -79,7 +76,7 @@ def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv
   b, sq, hq, d = q.shape
   hkv = k.shape[2]
   bk = block_sizes.block_k
-  prec = _precision(q.dtype)
+  prec = dot_precision(q.dtype)
   sigma2 = scale * LOG2E
   qg = _grouped(q, hkv)  # [B, Sq, Hkv, G, D]
   to_rows = lambda x: x.reshape(b, hkv, hq // hkv, sq).transpose(0, 3, 1, 2)  # [B,Hq,S] -> [B,S,Hkv,G]
@@ -122,7 +119,7 @@ def backward(q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_s
   b, sq, hq, d = q.shape
   hkv = k.shape[2]
   bk = block_sizes.block_k
-  prec = _precision(q.dtype)
+  prec = dot_precision(q.dtype)
   sigma2 = scale * LOG2E
   qg = _grouped(q, hkv)
   dog = _grouped(do, hkv)

@@ -1,8 +1,14 @@
-"""Output shapes for pallas_call that also work inside `jax.shard_map` (with check_vma)."""
+"""Small helpers every backend shares: dot precision, and shapes that work inside `jax.shard_map`."""
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
+
+
+def dot_precision(dtype):
+  """f32 inputs get true f32 products (not tf32/bf16 passes); low precision uses the matrix units."""
+  return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
 
 
 def out_struct(shape, dtype, like: jax.Array) -> jax.ShapeDtypeStruct:
