@@ -1,0 +1,60 @@
+"""The one place where `attention:` becomes a function the model calls.
+
+clis / online → clis_kernels.attention (the platform's kernel; the reference on CPU);
+dot_product → dense XLA under the same segment convention; cudnn → jax.nn's cuDNN
+kernel (NVIDIA only). On a mesh of more than one device the kernel runs under
+`jax.shard_map`, batch over (data, fsdp) and heads over tensor: Pallas kernels are
+not partitioned by XLA, and every call then sees whole sequences.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from clis_kernels import attention as clis_attention
+from clis_kernels import masks
+
+BATCH_AXES = ("data", "fsdp")
+
+
+def _cudnn(q, k, v, segment_ids):
+  seg = jax.vmap(lambda s: masks.visible(jnp.arange(s.shape[0]), jnp.arange(s.shape[0]), s, s, causal=True,
+                                         kv_len=None))(segment_ids)
+  out = jax.nn.dot_product_attention(q, k, v, mask=seg[:, None], implementation="cudnn")
+  return jnp.where((segment_ids != 0)[:, :, None, None], out, 0).astype(q.dtype)
+
+
+def make_attention(name: str, mesh: jax.sharding.Mesh | None, *, granularity: str = "tile"):
+  """Returns attend(q, k, v, segment_ids) -> (out [B,S,Hq,D], certified_fraction scalar)."""
+  if name in ("clis", "online"):
+    def attend(q, k, v, seg):
+      out, stats = clis_attention(q, k, v, seg, causal=True, stabilizer=name, granularity=granularity,
+                                  return_stats=True)
+      return out, stats.certified_fraction
+  elif name == "dot_product":
+    def attend(q, k, v, seg):
+      return clis_attention(q, k, v, seg, causal=True, implementation="xla"), jnp.zeros((), jnp.float32)
+  elif name == "cudnn":
+    if jax.devices()[0].platform != "gpu":
+      raise ValueError(f"attention='cudnn' needs an NVIDIA GPU; this platform is {jax.devices()[0].platform!r}: "
+                       "use attention=clis, online or dot_product")
+    def attend(q, k, v, seg):
+      return _cudnn(q, k, v, seg), jnp.zeros((), jnp.float32)
+  else:
+    raise ValueError(f"attention={name!r} must be one of clis, online, cudnn, dot_product")
+
+  if mesh is None or mesh.size == 1:
+    return attend
+  heads = P(BATCH_AXES, None, "tensor", None)
+
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(heads, heads, heads, P(BATCH_AXES, None)),
+                     out_specs=(heads, P()))
+  def sharded(q, k, v, seg):
+    out, certified = attend(q, k, v, seg)
+    return out, jax.lax.pmean(certified, mesh.axis_names)
+
+  return sharded

@@ -1,0 +1,229 @@
+"""Configuration: a base YAML, a recipe YAML on top (`base: base.yaml`), then `key=value` overrides.
+
+MaxText's convention. The result is a frozen dataclass tree; an unknown key or a value of the
+wrong type is an error that names the key (and where it came from) and suggests the closest
+valid key. A key may be written in full (`model.dim=512`) or, when unique, bare (`dim=512`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import pathlib
+import types
+import typing
+from typing import Any
+
+import yaml
+
+ATTENTIONS = ("clis", "online", "cudnn", "dot_product")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  preset: str = "tiny"
+  vocab_size: int | None = None  # None: the preset's, or the tokenizer's size rounded up
+  dim: int | None = None
+  n_layers: int | None = None
+  n_heads: int | None = None
+  n_kv_heads: int | None = None
+  ffn_dim: int | None = None
+  rope_theta: float | None = None
+  norm_eps: float | None = None
+  tie_embeddings: bool | None = None
+  dtype: str = "bfloat16"  # compute dtype; parameters stay float32 (the master weights)
+  remat: str = "none"  # none | full | dots
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  kind: str = "cpt"  # cpt (plain text) | sft (prompt/response or chat messages)
+  train_path: str | None = None  # file or folder; None: the embedded corpus
+  eval_path: str | None = None  # None: hold out eval_fraction of the training documents
+  format: str = "auto"  # auto | text | jsonl | parquet
+  text_field: str = "text"
+  tokenizer: str = "byte"  # byte | path to a Hugging Face tokenizer.json
+  seq_len: int = 256
+  per_device_batch: int = 8  # global batch = per_device_batch x number of devices
+  long_sequences: str = "split"  # split (into seq_len chunks) | truncate
+  skip_bad_lines: bool = False
+  packing_bins: int = 16
+  eval_fraction: float = 0.05
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+  lr: float = 3e-4
+  warmup_steps: int = 20
+  min_lr_ratio: float = 0.1
+  weight_decay: float = 0.1
+  b1: float = 0.9
+  b2: float = 0.95
+  eps: float = 1e-8
+  grad_clip: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  steps: int = 100
+  log_every: int = 10
+  eval_every: int = 50
+  eval_batches: int = 2
+  peak_tflops_per_device: float | None = None  # None: looked up from the device kind (MFU)
+  progress_bar: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  every: int = 50
+  keep: int = 3
+  resume: bool = True  # continue from the newest checkpoint in run_dir/checkpoints
+  init_from: str | None = None  # orbax checkpoint folder or Hugging Face Llama safetensors folder
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  data: int = -1  # -1: all devices not used by the other axes
+  fsdp: int = 1
+  tensor: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  run_dir: str = "runs/default"
+  seed: int = 0
+  attention: str = "clis"  # clis | online | cudnn | dot_product
+  attention_granularity: str = "tile"
+  model: ModelConfig = ModelConfig()
+  data: DataConfig = DataConfig()
+  optim: OptimConfig = OptimConfig()
+  train: TrainConfig = TrainConfig()
+  checkpoint: CheckpointConfig = CheckpointConfig()
+  mesh: MeshConfig = MeshConfig()
+
+
+class ConfigError(ValueError):
+  """A bad key or value in a YAML file or an override."""
+
+
+def _hints(cls) -> dict[str, Any]:
+  return typing.get_type_hints(cls)
+
+
+def _all_keys() -> list[str]:
+  keys = []
+  for name, tp in _hints(Config).items():
+    if dataclasses.is_dataclass(tp):
+      keys += [f"{name}.{sub}" for sub in _hints(tp)]
+    else:
+      keys.append(name)
+  return keys
+
+
+def _suggest(key: str) -> str:
+  keys = _all_keys()
+  close = difflib.get_close_matches(key, keys + [k.split(".")[-1] for k in keys], n=1)
+  return f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(keys)}"
+
+
+def _check_type(key: str, value: Any, tp, origin: str) -> Any:
+  allowed = typing.get_args(tp) if isinstance(tp, types.UnionType) else (tp,)
+  if value is None and type(None) in allowed:
+    return None
+  for option in allowed:
+    if option is bool and isinstance(value, bool):
+      return value
+    if option is int and isinstance(value, int) and not isinstance(value, bool):
+      return value
+    if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+      return float(value)
+    if option is str and isinstance(value, str):
+      return value
+  names = " or ".join("null" if a is type(None) else a.__name__ for a in allowed)
+  raise ConfigError(f"{origin}: {key}={value!r} must be {names}")
+
+
+def _merge(tree: dict, key: str, value: Any, origin: str) -> None:
+  """Sets a (possibly dotted or bare) key in the nested dict, resolving bare keys."""
+  hints = _hints(Config)
+  parts = key.split(".")
+  if len(parts) == 1 and parts[0] not in hints:
+    owners = [s for s, tp in hints.items() if dataclasses.is_dataclass(tp) and parts[0] in _hints(tp)]
+    if len(owners) > 1:
+      raise ConfigError(f"{origin}: {key!r} is ambiguous; write one of {[f'{o}.{key}' for o in owners]}")
+    if owners:
+      parts = [owners[0], parts[0]]
+  if len(parts) > 2 or parts[0] not in hints:
+    raise ConfigError(f"{origin}: unknown key {key!r}{_suggest(key)}")
+  tp = hints[parts[0]]
+  if dataclasses.is_dataclass(tp):
+    if len(parts) == 1:
+      if not isinstance(value, dict):
+        raise ConfigError(f"{origin}: {key!r} is a section; give it a mapping of keys")
+      for sub, sub_value in value.items():
+        _merge(tree, f"{key}.{sub}", sub_value, origin)
+      return
+    if parts[1] not in _hints(tp):
+      raise ConfigError(f"{origin}: unknown key {key!r}{_suggest(key)}")
+    tree.setdefault(parts[0], {})[parts[1]] = _check_type(key, value, _hints(tp)[parts[1]], origin)
+  else:
+    if len(parts) != 1:
+      raise ConfigError(f"{origin}: unknown key {key!r}{_suggest(key)}")
+    tree[parts[0]] = _check_type(key, value, tp, origin)
+
+
+def _read_yaml(path: pathlib.Path, tree: dict, seen: tuple = ()) -> None:
+  if not path.is_file():
+    raise ConfigError(f"config file {str(path)!r} does not exist")
+  if path.resolve() in seen:
+    raise ConfigError(f"{path}: 'base' includes form a cycle")
+  try:
+    data = yaml.safe_load(path.read_text()) or {}
+  except yaml.YAMLError as e:
+    raise ConfigError(f"{path}: not valid YAML ({e})") from None
+  if not isinstance(data, dict):
+    raise ConfigError(f"{path}: the top level must be a mapping of keys")
+  base = data.pop("base", None)
+  if base is not None:
+    _read_yaml(path.parent / base, tree, seen + (path.resolve(),))
+  for key, value in data.items():
+    _merge(tree, str(key), value, str(path))
+
+
+def _validate(cfg: Config) -> None:
+  def need(ok, message):
+    if not ok:
+      raise ConfigError(message)
+
+  need(cfg.attention in ATTENTIONS, f"attention={cfg.attention!r} must be one of {ATTENTIONS}")
+  need(cfg.attention_granularity in ("tile", "head"), "attention_granularity must be 'tile' or 'head'")
+  need(cfg.model.dtype in ("bfloat16", "float32"), f"model.dtype={cfg.model.dtype!r} must be bfloat16 or float32")
+  need(cfg.model.remat in ("none", "full", "dots"), f"model.remat={cfg.model.remat!r} must be none, full or dots")
+  need(cfg.data.kind in ("cpt", "sft"), f"data.kind={cfg.data.kind!r} must be cpt or sft")
+  need(cfg.data.format in ("auto", "text", "jsonl", "parquet"), f"data.format={cfg.data.format!r} is unknown")
+  need(cfg.data.long_sequences in ("split", "truncate"), "data.long_sequences must be split or truncate")
+  need(cfg.data.seq_len >= 8, f"data.seq_len={cfg.data.seq_len} must be >= 8")
+  need(cfg.data.per_device_batch >= 1, f"data.per_device_batch={cfg.data.per_device_batch} must be >= 1")
+  need(cfg.train.steps >= 1, f"train.steps={cfg.train.steps} must be >= 1")
+  need(cfg.checkpoint.every >= 1 and cfg.checkpoint.keep >= 1, "checkpoint.every and checkpoint.keep must be >= 1")
+
+
+def load_config(path: str | None, overrides: list[str] = ()) -> Config:
+  """Reads YAML (with `base:` includes) and applies `key=value` overrides (values parsed as YAML)."""
+  tree: dict = {}
+  if path is not None:
+    _read_yaml(pathlib.Path(path), tree)
+  for item in overrides:
+    if "=" not in item:
+      raise ConfigError(f"override {item!r} must look like key=value")
+    key, raw = item.split("=", 1)
+    _merge(tree, key.strip(), yaml.safe_load(raw) if raw.strip() else None, "command line")
+  hints = _hints(Config)
+  kwargs = {k: (hints[k](**v) if dataclasses.is_dataclass(hints[k]) else v) for k, v in tree.items()}
+  cfg = Config(**kwargs)
+  _validate(cfg)
+  return cfg
+
+
+def to_dict(cfg: Config) -> dict:
+  return dataclasses.asdict(cfg)

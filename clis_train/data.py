@@ -1,0 +1,286 @@
+"""Input pipelines (grain): documents → tokens → packed rows with segment ids and positions.
+
+CPT reads text files (one document per file), JSONL (a `text` field per line) or Parquet (a
+`text` column); SFT reads JSONL with `prompt`/`response` or chat `messages`. Without a path,
+an embedded corpus built from text that ships with every Python is used (the interpreter's
+documentation topics and standard-library docstrings). Documents longer than seq_len are
+split into seq_len chunks (`long_sequences: split`) or cut (`truncate`). Rows are packed
+with grain's first-fit packing: segment ids start at 1, 0 is padding, documents never see
+each other. The iterator is grain's checkpointable one; its state is saved with the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import json
+import pathlib
+import warnings
+
+import grain
+import numpy as np
+
+SFT_TEMPLATE = "<|user|>\n{prompt}\n<|assistant|>\n"  # the response follows, then EOS
+
+
+class DataError(ValueError):
+  """A data file or setting that cannot be used; the message names it."""
+
+
+# ----------------------------------------------------------------------------- tokenizers
+class ByteTokenizer:
+  """UTF-8 bytes as ids 0..255, plus BOS=256 and EOS=257. Needs no download."""
+
+  vocab_size = 258
+  bos_id, eos_id = 256, 257
+
+  def encode(self, text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+  def decode(self, ids) -> str:
+    return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+  """A Hugging Face `tokenizer.json` through the `tokenizers` library."""
+
+  def __init__(self, path: str):
+    from tokenizers import Tokenizer
+    if not pathlib.Path(path).is_file():
+      raise DataError(f"data.tokenizer={path!r} is neither 'byte' nor an existing tokenizer.json file")
+    self._tok = Tokenizer.from_file(path)
+    self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+    find = lambda names: next((self._tok.token_to_id(n) for n in names if self._tok.token_to_id(n) is not None), None)
+    self.bos_id = find(["<|begin_of_text|>", "<s>", "<bos>"])
+    self.eos_id = find(["<|end_of_text|>", "<|eot_id|>", "</s>", "<eos>"])
+
+  def encode(self, text: str) -> list[int]:
+    return self._tok.encode(text, add_special_tokens=False).ids
+
+  def decode(self, ids) -> str:
+    return self._tok.decode(list(ids))
+
+
+def make_tokenizer(name: str):
+  return ByteTokenizer() if name == "byte" else HFTokenizer(name)
+
+
+# ----------------------------------------------------------------------------- documents
+def _jsonl_records(path: pathlib.Path, skip_bad_lines: bool):
+  bad = 0
+  with path.open() as f:
+    for line_no, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        record = json.loads(line)
+        if not isinstance(record, dict):
+          raise ValueError("a JSON object was expected")
+      except ValueError as e:
+        if not skip_bad_lines:
+          raise DataError(f"{path}:{line_no}: malformed JSONL line ({e}); fix it or set data.skip_bad_lines=true")
+        bad += 1
+        continue
+      yield path, line_no, record
+  if bad:
+    warnings.warn(f"{path}: skipped {bad} malformed lines (data.skip_bad_lines=true)")
+
+
+def _files(path: str) -> list[pathlib.Path]:
+  root = pathlib.Path(path)
+  if not root.exists():
+    raise DataError(f"data path {path!r} does not exist")
+  files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else [root]
+  if not files:
+    raise DataError(f"data path {path!r} holds no files")
+  return files
+
+
+def _format(file: pathlib.Path, fmt: str) -> str:
+  if fmt != "auto":
+    return fmt
+  return {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}.get(file.suffix, "text")
+
+
+def read_cpt_documents(path: str, *, fmt: str, text_field: str, skip_bad_lines: bool) -> list[str]:
+  docs = []
+  for file in _files(path):
+    kind = _format(file, fmt)
+    before = len(docs)
+    if kind == "text":
+      docs.append(file.read_text(encoding="utf-8", errors="replace"))
+    elif kind == "jsonl":
+      for p, line_no, record in _jsonl_records(file, skip_bad_lines):
+        if not isinstance(record.get(text_field), str):
+          if skip_bad_lines:
+            continue
+          raise DataError(f"{p}:{line_no}: no string field {text_field!r} (set data.text_field)")
+        docs.append(record[text_field])
+    else:
+      import pyarrow.parquet as pq
+      table = pq.read_table(file)
+      if text_field not in table.column_names:
+        raise DataError(f"{file}: no column {text_field!r}; columns are {table.column_names}")
+      docs += [t for t in table.column(text_field).to_pylist() if isinstance(t, str)]
+    if len(docs) == before or not any(d.strip() for d in docs[before:]):
+      raise DataError(f"{file}: empty (no documents)")
+  return docs
+
+
+def read_sft_pairs(path: str, *, skip_bad_lines: bool) -> list[tuple[str, str]]:
+  """(prompt, response) pairs from `prompt`/`response` records or chat `messages`."""
+  pairs = []
+  for file in _files(path):
+    before = len(pairs)
+    for p, line_no, record in _jsonl_records(file, skip_bad_lines):
+      pair = _sft_pair(record)
+      if pair is None:
+        if skip_bad_lines:
+          continue
+        raise DataError(f"{p}:{line_no}: an SFT record needs 'prompt' and 'response' strings, or 'messages' "
+                        "ending with an assistant turn")
+      pairs.append(pair)
+    if len(pairs) == before:
+      raise DataError(f"{file}: empty (no SFT records)")
+  return pairs
+
+
+def _sft_pair(record):
+  if isinstance(record.get("prompt"), str) and isinstance(record.get("response"), str):
+    return record["prompt"], record["response"]
+  messages = record.get("messages")
+  if isinstance(messages, list) and messages and messages[-1].get("role") == "assistant":
+    prompt = "\n".join(f"{m.get('role')}: {m.get('content')}" for m in messages[:-1])
+    return prompt, str(messages[-1].get("content"))
+  return None
+
+
+# ----------------------------------------------------------------------------- embedded corpus
+STDLIB_MODULES = ("json", "collections", "itertools", "functools", "os", "re", "math", "string", "textwrap",
+                  "datetime", "pathlib", "random", "statistics", "heapq", "bisect", "dataclasses", "enum",
+                  "argparse", "logging", "csv", "shutil", "subprocess", "threading", "queue", "pickle", "copy",
+                  "pprint", "decimal", "fractions", "operator", "contextlib", "abc", "io", "struct", "array",
+                  "uuid", "hashlib", "base64", "calendar", "time", "glob", "fnmatch", "tempfile", "difflib",
+                  "inspect", "weakref", "zipfile", "gzip", "html", "urllib.parse", "email.message", "sqlite3")
+
+
+def _docstrings():
+  """(qualified name, docstring) for the listed standard-library modules and their public members."""
+  out = []
+  for name in STDLIB_MODULES:
+    module = importlib.import_module(name)
+    if module.__doc__:
+      out.append((name, inspect.cleandoc(module.__doc__)))
+    for attr in sorted(dir(module)):
+      obj = getattr(module, attr, None)
+      if attr.startswith("_") or not (inspect.isfunction(obj) or inspect.isclass(obj) or inspect.isbuiltin(obj)):
+        continue
+      doc = inspect.getdoc(obj)
+      if doc and len(doc) > 40:
+        out.append((f"{name}.{attr}", doc))
+  return out
+
+
+def embedded_cpt_documents() -> list[str]:
+  from pydoc_data.topics import topics
+  docs = [topics[k] for k in sorted(topics)]
+  docs += [f"{name}\n\n{doc}" for name, doc in _docstrings()]
+  return docs
+
+
+def embedded_sft_pairs() -> list[tuple[str, str]]:
+  from pydoc_data.topics import topics
+  pairs = [(f"Explain the Python documentation topic '{k}'.", topics[k].strip().split("\n\n")[0][:600])
+           for k in sorted(topics)]
+  pairs += [(f"What does {name} do?", doc.split("\n\n")[0][:600]) for name, doc in _docstrings()]
+  return pairs
+
+
+# ----------------------------------------------------------------------------- examples and packing
+@dataclasses.dataclass(frozen=True)
+class Examples:
+  train: list[dict]
+  eval: list[dict]
+
+
+def _chunks(ids: list[int], seq_len: int, long_sequences: str):
+  """Pieces of at most seq_len + 1 tokens (inputs and targets overlap by one)."""
+  if len(ids) <= seq_len + 1 or long_sequences == "truncate":
+    return [ids[: seq_len + 1]]
+  return [ids[i:i + seq_len + 1] for i in range(0, len(ids) - 1, seq_len)]
+
+
+def _example(ids, weights):
+  ids = np.asarray(ids, np.int32)
+  return {"inputs": ids[:-1], "targets": ids[1:], "weights": np.asarray(weights[1:], np.float32)}
+
+
+def cpt_examples(docs, tokenizer, seq_len, long_sequences):
+  out = []
+  for doc in docs:
+    ids = [tokenizer.bos_id] * (tokenizer.bos_id is not None) + tokenizer.encode(doc)
+    ids += [tokenizer.eos_id] * (tokenizer.eos_id is not None)
+    out += [_example(c, [1.0] * len(c)) for c in _chunks(ids, seq_len, long_sequences) if len(c) > 1]
+  return out
+
+
+def sft_examples(pairs, tokenizer, seq_len, long_sequences):
+  """Loss only on response tokens (and EOS): prompt targets get weight 0."""
+  out = []
+  for prompt, response in pairs:
+    head = [tokenizer.bos_id] * (tokenizer.bos_id is not None) + tokenizer.encode(SFT_TEMPLATE.format(prompt=prompt))
+    tail = tokenizer.encode(response) + [tokenizer.eos_id] * (tokenizer.eos_id is not None)
+    ids, weights = head + tail, [0.0] * len(head) + [1.0] * len(tail)
+    for start, chunk in zip(range(0, len(ids), seq_len), _chunks(ids, seq_len, long_sequences)):
+      if len(chunk) > 1 and sum(weights[start + 1:start + len(chunk)]) > 0:
+        out.append(_example(chunk, weights[start:start + len(chunk)]))
+  return out
+
+
+def _split_eval(items, fraction):
+  every = max(2, round(1 / fraction)) if fraction > 0 else 0
+  train = [x for i, x in enumerate(items) if not every or i % every]
+  held = [x for i, x in enumerate(items) if every and i % every == 0]
+  return train, held
+
+
+def build_examples(data_cfg, tokenizer) -> Examples:
+  """Reads, tokenizes and splits the configured data into training and held-out examples."""
+  seq, long = data_cfg.seq_len, data_cfg.long_sequences
+  if data_cfg.kind == "cpt":
+    read = lambda p: read_cpt_documents(p, fmt=data_cfg.format, text_field=data_cfg.text_field,
+                                        skip_bad_lines=data_cfg.skip_bad_lines)
+    items = read(data_cfg.train_path) if data_cfg.train_path else embedded_cpt_documents()
+    make = lambda xs: cpt_examples(xs, tokenizer, seq, long)
+  else:
+    read = lambda p: read_sft_pairs(p, skip_bad_lines=data_cfg.skip_bad_lines)
+    items = read(data_cfg.train_path) if data_cfg.train_path else embedded_sft_pairs()
+    make = lambda xs: sft_examples(xs, tokenizer, seq, long)
+  if data_cfg.eval_path:
+    train, held = items, read(data_cfg.eval_path)
+  else:
+    train, held = _split_eval(items, data_cfg.eval_fraction)
+  examples = Examples(make(train), make(held))
+  if not examples.train:
+    raise DataError("no training examples after tokenization (data.train_path)")
+  return examples
+
+
+def packed_batches(examples: list[dict], *, seq_len: int, batch_size: int, seed: int, packing_bins: int,
+                   shuffle: bool = True) -> grain.DatasetIterator:
+  """An endless, checkpointable iterator of packed batches.
+
+  Each batch: inputs, targets, positions, segment_ids int32 [batch, seq_len]; weights f32.
+  """
+  ds = grain.MapDataset.source(examples)
+  if shuffle:
+    ds = ds.shuffle(seed=seed)
+  ds = ds.repeat(None).to_iter_dataset()
+  lengths = {"inputs": seq_len, "targets": seq_len, "weights": seq_len}
+  ds = grain.experimental.FirstFitPackIterDataset(ds, length_struct=lengths, num_packing_bins=packing_bins,
+                                                  seed=seed, shuffle_bins=shuffle)
+  ds = ds.batch(batch_size, drop_remainder=True)
+  ds = ds.map(lambda b: {"inputs": b["inputs"], "targets": b["targets"], "weights": b["weights"],
+                         "positions": b["inputs_positions"], "segment_ids": b["inputs_segment_ids"]})
+  return iter(ds)

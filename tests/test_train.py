@@ -1,0 +1,208 @@
+"""The training library on the CPU: config, data, loss, resume, attention flag, packing, mesh."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from clis_train import checkpoint, data
+from clis_train.config import ConfigError, load_config
+from clis_train.train import Trainer
+
+RECIPES = pathlib.Path(__file__).parent.parent / "recipes"
+SMALL = ["data.seq_len=128", "data.per_device_batch=4", "mesh.data=1", "train.progress_bar=false",
+         "train.eval_every=1000"]
+
+
+def config(tmp_path, *extra, recipe="cpt_tiny.yaml"):
+  return load_config(str(RECIPES / recipe), [f"run_dir={tmp_path}", *SMALL, *extra])
+
+
+def losses(records):
+  return [r["loss"] for r in records if "loss" in r]
+
+
+# ----------------------------------------------------------------------------- config
+def test_recipes_load_and_overrides_apply(tmp_path):
+  for recipe in ("cpt_tiny.yaml", "sft_tiny.yaml", "cpt.yaml", "sft.yaml"):
+    cfg = load_config(str(RECIPES / recipe), ["attention=online", "model.dim=256"])
+    assert cfg.attention == "online" and cfg.model.dim == 256
+  assert load_config(str(RECIPES / "cpt.yaml")).data.seq_len == 8192
+
+
+@pytest.mark.parametrize("override,message", [
+    ("atention=clis", "unknown key 'atention'; did you mean 'attention'"),
+    ("model.layers=2", "unknown key 'model.layers'; did you mean 'model.n_layers'"),
+    ("steps=many", "steps='many' must be int"),
+    ("attention=flash", "attention='flash' must be one of"),
+    ("data.seq_len", "must look like key=value"),
+])
+def test_bad_config_names_the_key(override, message):
+  with pytest.raises(ConfigError, match=message):
+    load_config(str(RECIPES / "cpt_tiny.yaml"), [override])
+
+
+def test_bad_yaml_key_names_the_file(tmp_path):
+  bad = tmp_path / "bad.yaml"
+  bad.write_text(f"base: {RECIPES / 'base.yaml'}\nmodel:\n  dimm: 3\n")
+  with pytest.raises(ConfigError, match=r"bad.yaml: unknown key 'model.dimm'; did you mean 'model.dim'"):
+    load_config(str(bad))
+
+
+# ----------------------------------------------------------------------------- data
+def test_sft_puts_zero_weight_on_prompt_tokens():
+  tok = data.ByteTokenizer()
+  [example] = data.sft_examples([("What is 2+2?", "four")], tok, 128, "truncate")
+  targets, weights = example["targets"], example["weights"]
+  answer = tok.encode("four") + [tok.eos_id]
+  np.testing.assert_array_equal(targets[weights > 0], answer)  # exactly the response and EOS carry loss
+  prompt_len = len(tok.encode(data.SFT_TEMPLATE.format(prompt="What is 2+2?"))) + 1
+  assert weights[: prompt_len - 1].sum() == 0
+
+
+def test_sft_reads_chat_messages_and_packs_with_weights(tmp_path):
+  path = tmp_path / "chat.jsonl"
+  rows = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"answer {i}"}]}
+          for i in range(20)]
+  path.write_text("\n".join(json.dumps(r) for r in rows))
+  pairs = data.read_sft_pairs(str(path), skip_bad_lines=False)
+  assert pairs[3] == ("user: q3", "answer 3")
+  examples = data.sft_examples(pairs, data.ByteTokenizer(), 160, "truncate")
+  batch = next(data.packed_batches(examples, seq_len=160, batch_size=2, seed=0, packing_bins=2))
+  assert batch["segment_ids"].max() > 1  # several conversations share a row
+  assert 0 < batch["weights"].sum() < (batch["segment_ids"] > 0).sum()
+
+
+def test_long_documents_split_or_truncate():
+  tok = data.ByteTokenizer()
+  doc = "x" * 300
+  split = data.cpt_examples([doc], tok, 128, "split")
+  cut = data.cpt_examples([doc], tok, 128, "truncate")
+  assert len(cut) == 1 and len(cut[0]["inputs"]) == 128
+  assert len(split) == 3 and sum(len(e["inputs"]) for e in split) == len(doc) + 1  # BOS..EOS, overlap of one
+
+
+def test_bad_data_inputs_name_the_file_and_line(tmp_path):
+  with pytest.raises(data.DataError, match="does not exist"):
+    data.read_cpt_documents(str(tmp_path / "missing"), fmt="auto", text_field="text", skip_bad_lines=False)
+  empty = tmp_path / "empty.txt"
+  empty.write_text("")
+  with pytest.raises(data.DataError, match="empty.txt: empty"):
+    data.read_cpt_documents(str(empty), fmt="auto", text_field="text", skip_bad_lines=False)
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text('{"text": "fine"}\n{"text": broken\n{"text": "also fine"}\n')
+  with pytest.raises(data.DataError, match=r"bad.jsonl:2: malformed JSONL line"):
+    data.read_cpt_documents(str(bad), fmt="auto", text_field="text", skip_bad_lines=False)
+  with pytest.warns(UserWarning, match="skipped 1 malformed"):
+    docs = data.read_cpt_documents(str(bad), fmt="auto", text_field="text", skip_bad_lines=True)
+  assert docs == ["fine", "also fine"]
+
+
+def test_parquet_and_hf_tokenizer(tmp_path):
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+  from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+  pq.write_table(pa.table({"text": ["alpha beta", "gamma delta epsilon"]}), tmp_path / "d.parquet")
+  assert data.read_cpt_documents(str(tmp_path / "d.parquet"), fmt="auto", text_field="text",
+                                 skip_bad_lines=False) == ["alpha beta", "gamma delta epsilon"]
+  tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+  tok.pre_tokenizer = pre_tokenizers.Whitespace()
+  tok.train_from_iterator(["alpha beta gamma delta epsilon"], trainers.WordLevelTrainer(
+      special_tokens=["<unk>", "<s>", "</s>"]))
+  tok.save(str(tmp_path / "tokenizer.json"))
+  hf = data.make_tokenizer(str(tmp_path / "tokenizer.json"))
+  assert hf.bos_id == tok.token_to_id("<s>") and hf.eos_id == tok.token_to_id("</s>")
+  assert hf.decode(hf.encode("gamma delta")) == "gamma delta"
+
+
+# ----------------------------------------------------------------------------- model and loss
+def test_packed_documents_do_not_see_each_other(tmp_path):
+  trainer = Trainer(config(tmp_path))
+  params = trainer.init_state(jax.random.PRNGKey(0))["params"]
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, 256, (1, 128)).astype(np.int32)
+  seg = np.array([[1] * 50 + [2] * 60 + [0] * 18], np.int32)
+  pos = np.concatenate([np.arange(50), np.arange(60), np.zeros(18, int)])[None].astype(np.int32)
+  changed = tokens.copy()
+  changed[0, 60:110] = rng.integers(0, 256, 50)  # rewrite most of document 2
+  a = trainer.logits(params, tokens, pos, seg)
+  b = trainer.logits(params, changed, pos, seg)
+  np.testing.assert_array_equal(np.asarray(a[0, :50]), np.asarray(b[0, :50]))  # document 1: bit-identical
+  assert not np.allclose(np.asarray(a[0, 60:110]), np.asarray(b[0, 60:110]))
+
+
+def test_cpt_tiny_loss_falls_over_50_steps(tmp_path):
+  records = Trainer(config(tmp_path, "train.steps=50", "train.log_every=5")).run()
+  curve = losses(records)
+  assert len(curve) == 10
+  assert curve[-1] < 0.7 * curve[0], curve
+  assert all(r["certified_fraction"] == 1.0 for r in records if "loss" in r)
+  logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert {"loss", "tokens_per_s", "step_time_s", "mfu", "lr", "certified_fraction"} <= set(logged[0])
+
+
+def test_clis_and_dot_product_agree_within_bf16_noise(tmp_path):
+  common = ["train.steps=50", "train.log_every=5"]
+  clis = losses(Trainer(config(tmp_path / "clis", "attention=clis", *common)).run())
+  dense = losses(Trainer(config(tmp_path / "dense", "attention=dot_product", *common)).run())
+  diff = np.abs(np.array(clis) - np.array(dense))
+  assert diff.max() < 0.05 * np.array(dense).max(), (clis, dense)
+
+
+def test_resume_after_a_crash_reproduces_the_uninterrupted_run(tmp_path):
+  common = ["train.steps=20", "train.log_every=1", "checkpoint.every=5"]
+  full = losses(Trainer(config(tmp_path / "full", *common)).run())
+
+  class Crash(Exception):
+    pass
+
+  def crash(step, _):
+    if step == 12:
+      raise Crash
+
+  with pytest.raises(Crash):
+    Trainer(config(tmp_path / "crash", *common)).run(on_step=crash)
+  assert checkpoint.manager(str(tmp_path / "crash"), every=5, keep=3).latest_step() == 10
+  resumed = Trainer(config(tmp_path / "crash", *common)).run()
+  assert [r["step"] for r in resumed if "loss" in r] == list(range(11, 21))
+  assert losses(resumed) == full[10:]  # exactly the same losses, not approximately
+
+
+def test_failed_runs_never_overwrite_checkpoints(tmp_path):
+  common = ["train.steps=5", "checkpoint.every=5"]
+  Trainer(config(tmp_path / "run", *common)).run()
+  saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+  with pytest.raises(checkpoint.CheckpointError, match="already holds checkpoints"):
+    Trainer(config(tmp_path / "run", *common, "checkpoint.resume=false")).run()
+  with pytest.raises(checkpoint.CheckpointError, match="different model shape"):
+    Trainer(config(tmp_path / "run", *common, "model.dim=64")).run()
+  with pytest.raises(checkpoint.CheckpointError, match="different model shape"):
+    Trainer(config(tmp_path / "other", *common, "model.dim=64",
+                   f"checkpoint.init_from={tmp_path / 'run'}")).run()
+  assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == saved
+
+
+def test_init_from_an_orbax_run_starts_from_its_weights(tmp_path):
+  common = ["train.steps=5", "checkpoint.every=5"]
+  first = Trainer(config(tmp_path / "a", *common))
+  first.run()
+  second = Trainer(config(tmp_path / "b", *common, f"checkpoint.init_from={tmp_path / 'a'}"))
+  loaded = checkpoint.load_params(str(tmp_path / "a"), second.abstract_state["params"])
+  for x, y in zip(jax.tree.leaves(loaded), jax.tree.leaves(first.state["params"])):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_eight_devices_on_a_2x2x2_mesh_match_one_device(tmp_path):
+  assert jax.device_count() >= 8, "conftest.py sets 8 simulated CPU devices"
+  common = ["train.steps=4", "train.log_every=1", "attention=clis"]
+  one = losses(Trainer(config(tmp_path / "one", *common, "data.per_device_batch=8")).run())
+  mesh = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "data.per_device_batch=1"]
+  eight = Trainer(config(tmp_path / "eight", *common, *mesh))
+  assert eight.mesh.shape == {"data": 2, "fsdp": 2, "tensor": 2} and eight.global_batch == 8
+  np.testing.assert_allclose(losses(eight.run()), one, rtol=2e-3)
