@@ -137,6 +137,11 @@ def _check_type(key: str, value: Any, tp, origin: str) -> Any:
       return value
     if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
       return float(value)
+    if option is float and isinstance(value, str):  # YAML 1.1 reads 1e-5 (no dot) as a string
+      try:
+        return float(value)
+      except ValueError:
+        pass
     if option is str and isinstance(value, str):
       return value
   names = " or ".join("null" if a is type(None) else a.__name__ for a in allowed)

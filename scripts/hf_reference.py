@@ -1,0 +1,45 @@
+"""Writes a tiny random Hugging Face Llama (safetensors) and its logits on fixed tokens.
+
+Runs under a Python with torch + transformers (scripts/setup.sh makes .venv-hf with
+Python 3.11 and the CPU torch wheel); tests/test_hf.py compares our Flax model's logits,
+after importing the safetensors, against the ones written here.
+
+  .venv-hf/bin/python scripts/hf_reference.py --out /tmp/hf_tiny
+"""
+
+import argparse
+import json
+import pathlib
+
+import numpy as np
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+TINY = dict(vocab_size=384, hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+            max_position_embeddings=512, attention_bias=False, mlp_bias=False)
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--out", required=True)
+  parser.add_argument("--seed", type=int, default=0)
+  args = parser.parse_args()
+  out = pathlib.Path(args.out)
+  torch.manual_seed(args.seed)
+  model = LlamaForCausalLM(LlamaConfig(**TINY)).float().eval()
+  with torch.no_grad():  # HF's init leaves norms at 1; randomise them so the test sees their scales
+    for name, p in model.named_parameters():
+      if "norm" in name:
+        p.uniform_(0.5, 1.5)
+  model.save_pretrained(out, safe_serialization=True)
+  tokens = torch.from_numpy(np.random.default_rng(args.seed).integers(0, TINY["vocab_size"], (2, 64)))
+  with torch.no_grad():
+    logits = model(tokens).logits.numpy()
+  np.save(out / "tokens.npy", tokens.numpy())
+  np.save(out / "logits.npy", logits)
+  (out / "tiny_config.json").write_text(json.dumps(TINY))
+
+
+if __name__ == "__main__":
+  main()
