@@ -1,0 +1,86 @@
+"""End-to-end training throughput for several `attention:` values on one recipe.
+
+Builds one Trainer per attention value (same config, same data, same initial weights),
+compiles and warms each up, then runs timed steps round-robin (A B A B ...) so that the
+variants share the machine's state. Per step: wall time (after block_until_ready), tokens/s
+and MFU; the median over the timed steps is reported. Writes a JSON list of records.
+
+  python scripts/bench_train.py recipes/cpt.yaml --attentions clis online --steps 6 \
+      --out benchmarks/results/<date>-<device>-train.json data.seq_len=8192 data.per_device_batch=1
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import time
+
+import jax
+
+from clis_train import data, model
+from clis_train.config import load_config
+from clis_train.train import Trainer, peak_flops_per_device
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("recipe")
+  parser.add_argument("overrides", nargs="*")
+  parser.add_argument("--attentions", nargs="+", default=["clis", "online"])
+  parser.add_argument("--warmup", type=int, default=2)
+  parser.add_argument("--steps", type=int, default=6)
+  parser.add_argument("--out", required=True)
+  args = parser.parse_args()
+  trainers, states, batches = {}, {}, {}
+  for name in args.attentions:
+    cfg = load_config(args.recipe, [*args.overrides, f"attention={name}", "train.progress_bar=false"])
+    t = Trainer(cfg)
+    examples = data.build_examples(cfg.data, t.tokenizer)
+    batches[name] = data.packed_batches(examples.train, seq_len=cfg.data.seq_len, batch_size=t.global_batch,
+                                        seed=cfg.seed, packing_bins=cfg.data.packing_bins)
+    states[name] = t.init_state(jax.random.PRNGKey(cfg.seed))
+    trainers[name] = t
+    t0 = time.perf_counter()
+    for _ in range(args.warmup):
+      states[name], metrics = t.train_step(states[name], jax.device_put(next(batches[name]), t.batch_sharding))
+      jax.block_until_ready(metrics)
+    print(f"{name}: compiled and warmed up in {time.perf_counter() - t0:.1f} s", flush=True)
+  times = {name: [] for name in trainers}
+  last = {}
+  for _ in range(args.steps):
+    for name, t in trainers.items():
+      batch = jax.device_put(next(batches[name]), t.batch_sharding)
+      t0 = time.perf_counter()
+      states[name], metrics = t.train_step(states[name], batch)
+      jax.block_until_ready(metrics)
+      times[name].append(time.perf_counter() - t0)
+      last[name] = {k: float(v) for k, v in jax.device_get(metrics).items()}
+  records = []
+  for name, t in trainers.items():
+    cfg, dims = t.cfg, t.dims
+    tokens = t.global_batch * cfg.data.seq_len
+    med = statistics.median(times[name])
+    peak = peak_flops_per_device(cfg)
+    mfu = None if peak is None else model.flops_per_token(dims, cfg.data.seq_len) * tokens / med / (peak * t.mesh.size)
+    records.append(dict(case=f"{cfg.model.preset}_S{cfg.data.seq_len}", impl=name, **{"pass": "train_step"},
+                        ms=med * 1e3, ms_min=min(times[name]) * 1e3, ms_max=max(times[name]) * 1e3,
+                        tokens_per_s=tokens / med, mfu=mfu, B=t.global_batch, S=cfg.data.seq_len, Hq=dims.n_heads,
+                        Hkv=dims.n_kv_heads, D=dims.head_dim, causal=True, params=dims.num_params(),
+                        device=jax.devices()[0].device_kind, devices=t.mesh.size, jax_version=jax.__version__,
+                        date=datetime.date.today().isoformat(), repeat=args.steps, last_loss=last[name]["loss"],
+                        certified_fraction=last[name]["certified_fraction"]))
+  base = {r["impl"]: r["tokens_per_s"] for r in records}
+  for r in records:
+    r["speedup_vs_online"] = r["tokens_per_s"] / base["online"] if "online" in base else None
+    print(f"{r['case']:14s} {r['impl']:12s} {r['ms']:9.1f} ms/step [{r['ms_min']:.1f}, {r['ms_max']:.1f}]  "
+          f"{r['tokens_per_s']:9.0f} tok/s  MFU {r['mfu'] if r['mfu'] is None else round(r['mfu'], 3)}  "
+          f"loss {r['last_loss']:.3f}  certified {r['certified_fraction']:.2f}", flush=True)
+  with open(args.out, "w") as f:
+    json.dump(records, f, indent=1)
+  print("wrote", args.out)
+
+
+if __name__ == "__main__":
+  main()
