@@ -206,3 +206,14 @@ def test_eight_devices_on_a_2x2x2_mesh_match_one_device(tmp_path):
   eight = Trainer(config(tmp_path / "eight", *common, *mesh))
   assert eight.mesh.shape == {"data": 2, "fsdp": 2, "tensor": 2} and eight.global_batch == 8
   np.testing.assert_allclose(losses(eight.run()), one, rtol=2e-3)
+
+
+def test_sft_tiny_trains_on_responses(tmp_path):
+  records = Trainer(config(tmp_path, "train.steps=12", "train.log_every=4", recipe="sft_tiny.yaml")).run()
+  curve = losses(records)
+  assert len(curve) == 3 and all(np.isfinite(curve)) and curve[-1] < curve[0]
+
+
+def test_cudnn_attention_needs_a_gpu(tmp_path):
+  with pytest.raises(ValueError, match="attention='cudnn' needs an NVIDIA GPU"):
+    Trainer(config(tmp_path, "attention=cudnn"))
