@@ -3,7 +3,8 @@
 Builds one Trainer per attention value (same config, same data, same initial weights),
 compiles and warms each up, then runs timed steps round-robin (A B A B ...) so that the
 variants share the machine's state. Per step: wall time (after block_until_ready), tokens/s
-and MFU; the median over the timed steps is reported. Writes a JSON list of records.
+and MFU; the median over the timed steps is reported. Writes JSON records, a markdown
+table and a PNG plot.
 
   python scripts/bench_train.py recipes/cpt.yaml --attentions clis online --steps 6 \
       --out benchmarks/results/<date>-<device>-train.json data.seq_len=8192 data.per_device_batch=1
@@ -13,13 +14,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import statistics
 import time
 
 import jax
 
-from clis_train import data, model
+from clis_train import benchmarking, data, model
 from clis_train.config import load_config
 from clis_train.train import Trainer, peak_flops_per_device
 
@@ -31,7 +31,7 @@ def main():
   parser.add_argument("--attentions", nargs="+", default=["clis", "online"])
   parser.add_argument("--warmup", type=int, default=2)
   parser.add_argument("--steps", type=int, default=6)
-  parser.add_argument("--out", required=True)
+  parser.add_argument("--out", default=None, help="JSON path (.md table and .png plot beside it)")
   args = parser.parse_args()
   trainers, states, batches = {}, {}, {}
   for name in args.attentions:
@@ -77,9 +77,9 @@ def main():
     print(f"{r['case']:14s} {r['impl']:12s} {r['ms']:9.1f} ms/step [{r['ms_min']:.1f}, {r['ms_max']:.1f}]  "
           f"{r['tokens_per_s']:9.0f} tok/s  MFU {r['mfu'] if r['mfu'] is None else round(r['mfu'], 3)}  "
           f"loss {r['last_loss']:.3f}  certified {r['certified_fraction']:.2f}", flush=True)
-  with open(args.out, "w") as f:
-    json.dump(records, f, indent=1)
-  print("wrote", args.out)
+  out = args.out or benchmarking.default_output(f"train_{records[0]['case']}")
+  benchmarking.write_report(records, out, value="tokens_per_s")
+  print("wrote", out)
 
 
 if __name__ == "__main__":

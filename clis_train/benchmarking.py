@@ -1,0 +1,88 @@
+"""Measuring and reporting, shared by the scripts in scripts/ (DESIGN §5's rules).
+
+`interleaved_medians` times several variants round-robin (A B C A B C …), each sample being
+`inner` back-to-back calls after a warm-up, and returns per-variant medians with their
+spread. `write_report` writes the JSON records plus a markdown table and a PNG plot beside it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import pathlib
+import statistics
+import time
+from typing import Callable
+
+import jax
+
+
+def interleaved_medians(fns: dict[str, Callable[[], object]], *, repeats: int, inner: int, warmup: int = 3):
+  """{name: (median_ms, min_ms, max_ms)} of one call of each zero-argument function."""
+  for fn in fns.values():
+    for _ in range(warmup):
+      jax.block_until_ready(fn())
+  samples = {name: [] for name in fns}
+  for _ in range(repeats):
+    for name, fn in fns.items():
+      t0 = time.perf_counter()
+      out = None
+      for _ in range(inner):
+        out = fn()
+      jax.block_until_ready(out)
+      samples[name].append((time.perf_counter() - t0) / inner * 1e3)
+  return {name: (statistics.median(s), min(s), max(s)) for name, s in samples.items()}
+
+
+def device_meta() -> dict:
+  return dict(device=jax.devices()[0].device_kind, jax_version=jax.__version__,
+              date=datetime.date.today().isoformat())
+
+
+def default_output(name: str, root: str = "benchmarks/results") -> str:
+  device = jax.devices()[0].device_kind.replace("NVIDIA ", "").replace(" ", "_").lower()
+  return str(pathlib.Path(root) / f"{datetime.date.today().isoformat()}-{device}-{name}.json")
+
+
+def markdown_table(records: list[dict], value: str = "tflops") -> str:
+  """One row per (case, pass, impl): median ms, [min, max], the rate, and the ratio to `online`."""
+  base = {(r["case"], r["pass"]): r["ms"] for r in records if r["impl"] == "online"}
+  lines = [f"| case | pass | impl | ms | [min, max] | {value} | vs online |", "|---|---|---|---|---|---|---|"]
+  for r in records:
+    ratio = base.get((r["case"], r["pass"]))
+    rate = r.get(value)
+    lines.append(f"| {r['case']} | {r['pass']} | {r['impl']} | {r['ms']:.3f} | [{r['ms_min']:.3f}, {r['ms_max']:.3f}] "
+                 f"| {'—' if rate is None else f'{rate:.4g}'} | {'—' if ratio is None else f'{ratio / r['ms']:.3f}×'} |")
+  return "\n".join(lines) + "\n"
+
+
+def plot(records: list[dict], path: pathlib.Path, value: str = "tflops") -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  groups = sorted({(r["case"], r["pass"]) for r in records})
+  impls = sorted({r["impl"] for r in records})
+  fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(groups) * len(impls) / 2), 4))
+  width = 0.8 / max(len(impls), 1)
+  for i, impl in enumerate(impls):
+    ys = [next((r.get(value) or 0.0 for r in records if (r["case"], r["pass"]) == g and r["impl"] == impl), 0.0)
+          for g in groups]
+    ax.bar([g + i * width for g in range(len(groups))], ys, width, label=impl)
+  ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))])
+  ax.set_xticklabels([f"{c}\n{p}" for c, p in groups], fontsize=7)
+  ax.set_ylabel(value)
+  meta = records[0]
+  ax.set_title(f"{meta.get('device', '')}, JAX {meta.get('jax_version', '')}, {meta.get('date', '')}", fontsize=9)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def write_report(records: list[dict], out: str, value: str = "tflops") -> None:
+  """records -> out (.json), out with .md (table) and .png (plot)."""
+  path = pathlib.Path(out)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps(records, indent=1))
+  path.with_suffix(".md").write_text(markdown_table(records, value))
+  plot(records, path.with_suffix(".png"), value)

@@ -1,0 +1,166 @@
+"""Kernel-level attention throughput: our `clis` and `online` against cuDNN, dense XLA, tokamax, splash.
+
+Cases (--suite): `llm` — causal, Hq=32, Hkv=8, D=128, S in --seq-lens, with and without packed
+segments (4 documents per row); `dit` — bidirectional, H in {12, 40}, D=128, S in {16384, 32768,
+75600}. Passes: fwd and fwd_bwd. Every variant of a case is timed round-robin (A B C A B C ...),
+each sample `--inner` back-to-back calls, median of `--repeats` (clis_train/benchmarking.py).
+Implementations that the platform lacks are skipped with a note: cuDNN needs an NVIDIA GPU,
+tokamax must be installed, splash attention needs a TPU, dense XLA must fit in --xla-max-gb.
+TFLOP/s use 4·B·Hq·S²·D (half when causal; packed cases count the same nominal work), ×3.5
+for forward+backward. Writes JSON records, a markdown table and a PNG plot (same file stem).
+
+  python scripts/bench_attention.py --suite llm --seq-lens 8192 --out benchmarks/results/x.json
+  python scripts/bench_attention.py --quick --out /tmp/quick.json     # tiny, CPU, interpret mode
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from clis_kernels import attention
+from clis_train import benchmarking
+
+
+def _inputs(b, s, hq, hkv, d, packed, seed=0):
+  kq, kk, kv, kd, kc = jax.random.split(jax.random.PRNGKey(seed), 5)
+  q = jax.random.normal(kq, (b, s, hq, d), jnp.bfloat16)
+  k = (jax.random.normal(kk, (b, s, hkv, d)) + jax.random.normal(kc, (1, 1, hkv, d))).astype(jnp.bfloat16)
+  v = jax.random.normal(kv, (b, s, hkv, d), jnp.bfloat16)
+  do = jax.random.normal(kd, (b, s, hq, d), jnp.bfloat16)
+  seg = None
+  if packed:
+    cuts = np.sort(np.random.default_rng(seed).choice(np.arange(1, s), 3, replace=False))
+    seg = jnp.asarray(np.searchsorted(cuts, np.arange(s), side="right")[None].repeat(b, 0) + 1, jnp.int32)
+  return q, k, v, do, seg
+
+
+def _tokamax(implementation):
+  import tokamax  # optional
+  return lambda q, k, v, seg, causal: tokamax.dot_product_attention(q, k, v, is_causal=causal,
+                                                                     implementation=implementation)
+
+
+def _splash(q, k, v, seg, causal):
+  """Splash attention (TPU only): [B, S, H, D] in, kernels built per call shape."""
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+  b, s, hq, d = q.shape
+  mask = sm.CausalMask((s, s)) if causal else sm.FullMask((s, s))
+  kernel = sk.make_splash_mqa_single_device(mask=sm.MultiHeadMask([mask] * hq)) if k.shape[2] == 1 else \
+      sk.make_splash_mha_single_device(mask=sm.MultiHeadMask([mask] * hq))
+  qh = q.transpose(0, 2, 1, 3) * (d ** -0.5)
+  kh = jnp.repeat(k, hq // k.shape[2], axis=2).transpose(0, 2, 1, 3)
+  vh = jnp.repeat(v, hq // v.shape[2], axis=2).transpose(0, 2, 1, 3)
+  ids = None if seg is None else sk.SegmentIds(q=seg, kv=seg)
+  return jax.vmap(lambda a, b_, c, i: kernel(a, b_, c, segment_ids=i), in_axes=(0, 0, 0, None if ids is None else 0))(
+      qh, kh, vh, ids).transpose(0, 2, 1, 3)
+
+
+def implementations(names, platform, quick):
+  """{name: f(q, k, v, seg, causal)} for the names this platform can run, and notes on the rest."""
+  ours = dict(implementation="pallas_gpu", interpret=True) if quick else {}
+  table = {
+      "clis": lambda q, k, v, seg, causal: attention(q, k, v, seg, causal=causal, stabilizer="clis", **ours),
+      "online": lambda q, k, v, seg, causal: attention(q, k, v, seg, causal=causal, stabilizer="online", **ours),
+      "xla": lambda q, k, v, seg, causal: attention(q, k, v, seg, causal=causal, implementation="xla"),
+      "cudnn": lambda q, k, v, seg, causal: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
+                                                                         implementation="cudnn"),
+  }
+  fns, notes = {}, []
+  for name in names:
+    if name == "cudnn" and platform != "gpu":
+      notes.append("cudnn skipped: needs an NVIDIA GPU")
+    elif name.startswith("tokamax_"):
+      try:
+        fns[name] = _tokamax(name.removeprefix("tokamax_"))
+      except ImportError:
+        notes.append(f"{name} skipped: tokamax is not installed")
+    elif name == "splash":
+      if platform == "tpu":
+        fns[name] = _splash
+      else:
+        notes.append("splash skipped: needs a TPU")
+    elif name in table:
+      fns[name] = table[name]
+    else:
+      raise SystemExit(f"--impls: unknown implementation {name!r}")
+  return fns, notes
+
+
+def cases(args):
+  if args.quick:
+    return [dict(case="quick_causal", b=1, s=128, hq=4, hkv=2, d=64, causal=True, packed=False),
+            dict(case="quick_causal_packed", b=1, s=128, hq=4, hkv=2, d=64, causal=True, packed=True)]
+  out = []
+  if args.suite in ("llm", "all"):
+    for s in args.seq_lens:
+      for packed in {"no": [False], "yes": [True], "both": [False, True]}[args.packed]:
+        out.append(dict(case=f"llm_causal{'_packed' if packed else ''}_S{s}", b=args.batch, s=s, hq=32, hkv=8, d=128,
+                        causal=True, packed=packed))
+  if args.suite in ("dit", "all"):
+    for h in (12, 40):
+      for s in (16384, 32768, 75600):
+        out.append(dict(case=f"dit_bidir_H{h}_S{s}", b=args.batch, s=s, hq=h, hkv=h, d=128, causal=False, packed=False))
+  return out
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--suite", choices=["llm", "dit", "all"], default="llm")
+  parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
+  parser.add_argument("--packed", choices=["no", "yes", "both"], default="both")
+  parser.add_argument("--batch", type=int, default=1)
+  parser.add_argument("--passes", nargs="+", default=["fwd", "fwd_bwd"], choices=["fwd", "fwd_bwd"])
+  parser.add_argument("--impls", nargs="+",
+                      default=["clis", "online", "cudnn", "xla", "tokamax_mosaic", "tokamax_triton", "splash"])
+  parser.add_argument("--xla-max-gb", type=float, default=16.0, help="skip dense XLA when its logits exceed this")
+  parser.add_argument("--repeats", type=int, default=25)
+  parser.add_argument("--inner", type=int, default=10)
+  parser.add_argument("--quick", action="store_true", help="tiny cases on the CPU, Pallas in interpret mode")
+  parser.add_argument("--out", default=None)
+  args = parser.parse_args()
+  if args.quick:
+    args.repeats, args.inner, args.impls = min(args.repeats, 3), 1, ["clis", "online", "xla", "cudnn"]
+  platform = jax.devices()[0].platform
+  fns, notes = implementations(args.impls, platform, args.quick)
+  for note in notes:
+    print(note)
+  meta = benchmarking.device_meta()
+  records = []
+  for c in cases(args):
+    q, k, v, do, seg = _inputs(c["b"], c["s"], c["hq"], c["hkv"], c["d"], c["packed"])
+    variants = {}
+    for name, f in fns.items():
+      if name == "xla" and c["b"] * c["hq"] * c["s"] ** 2 * 4 / 2**30 > args.xla_max_gb:
+        continue
+      if c["packed"] and (name == "cudnn" or name.startswith("tokamax_")):
+        continue  # these entry points take no segment ids here
+      fwd = jax.jit(functools.partial(f, causal=c["causal"]))
+      if "fwd" in args.passes:
+        variants[(name, "fwd")] = functools.partial(fwd, q, k, v, seg)
+      if "fwd_bwd" in args.passes:
+        def fwd_bwd(q, k, v, do, seg, f=f, causal=c["causal"]):
+          return jax.vjp(lambda a, b, c_: f(a, b, c_, seg, causal), q, k, v)[1](do)
+        variants[(name, "fwd_bwd")] = functools.partial(jax.jit(fwd_bwd), q, k, v, do, seg)
+    timings = benchmarking.interleaved_medians({f"{n}|{p}": fn for (n, p), fn in variants.items()},
+                                               repeats=args.repeats, inner=args.inner)
+    flops = 4 * c["b"] * c["hq"] * c["s"] ** 2 * c["d"] * (0.5 if c["causal"] else 1.0)
+    for key, (med, lo, hi) in timings.items():
+      name, pass_ = key.split("|")
+      work = flops * (3.5 if pass_ == "fwd_bwd" else 1.0)
+      records.append(dict(case=c["case"], impl=name, **{"pass": pass_}, ms=med, ms_min=lo, ms_max=hi,
+                          tflops=work / med / 1e9, B=c["b"], S=c["s"], Hq=c["hq"], Hkv=c["hkv"], D=c["d"],
+                          causal=c["causal"], packed=c["packed"], repeat=args.repeats, inner=args.inner, **meta))
+  out = args.out or benchmarking.default_output(f"attention_{'quick' if args.quick else args.suite}")
+  benchmarking.write_report(records, out)
+  print(benchmarking.markdown_table(records))
+  print("wrote", out)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,40 @@
+"""The benchmark scripts run end to end (tiny, CPU) and write the promised records and reports."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).parent.parent
+REQUIRED = {"case", "impl", "pass", "ms", "B", "S", "Hq", "Hkv", "D", "causal", "device", "jax_version", "repeat"}
+
+
+def _run(*args):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, check=True, capture_output=True, text=True)
+
+
+def test_bench_attention_quick(tmp_path):
+  out = tmp_path / "quick.json"
+  result = _run("scripts/bench_attention.py", "--quick", "--out", str(out))
+  records = json.loads(out.read_text())
+  assert {(r["impl"], r["pass"]) for r in records} >= {("clis", "fwd"), ("online", "fwd_bwd"), ("xla", "fwd")}
+  for r in records:
+    assert REQUIRED <= set(r) and r["ms"] > 0 and r["tflops"] > 0 and r["ms_min"] <= r["ms"] <= r["ms_max"]
+  assert "| quick_causal | fwd | clis |" in out.with_suffix(".md").read_text()
+  assert out.with_suffix(".png").stat().st_size > 1000
+  assert "cudnn skipped" in result.stdout
+
+
+def test_bench_train_tiny(tmp_path):
+  out = tmp_path / "train.json"
+  _run("scripts/bench_train.py", "recipes/cpt_tiny.yaml", f"run_dir={tmp_path}", "data.seq_len=64",
+       "data.per_device_batch=2", "--attentions", "clis", "online", "--warmup", "1", "--steps", "2", "--out", str(out))
+  records = json.loads(out.read_text())
+  assert [r["impl"] for r in records] == ["clis", "online"]
+  for r in records:
+    assert REQUIRED <= set(r) and r["pass"] == "train_step" and r["tokens_per_s"] > 0
+  assert records[0]["certified_fraction"] == 1.0
