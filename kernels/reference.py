@@ -73,6 +73,18 @@ def _block_mask(segment_ids, start_k, block_k, num_q, *, causal, kv_len):
 def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv_len, block_sizes, interpret=False):
   """Returns (o [B, S, Hq, D] in q.dtype, lse [B, Hq, S] f32 base 2)."""
   del interpret
+  o, lse, _ = forward_with_tiles(q, k, v, segment_ids, cert, causal=causal, scale=scale, kv_len=kv_len,
+                                 block_sizes=block_sizes)
+  return o, lse
+
+
+def forward_with_tiles(q, k, v, segment_ids, cert, *, causal, scale, kv_len, block_sizes, tile_skip=None,
+                       tile_max=False):
+  """`forward`, plus per-tile control for temporal skipping (kernels/diffusion).
+
+  tile_skip: [B, Hq, nq, nk] bool, (q tile, kv tile) pairs to leave out, or None.
+  tile_max: also return each row's max base-2 logit per kv tile, [B, Hq, S, nk] (else None).
+  """
   b, sq, hq, d = q.shape
   hkv = k.shape[2]
   bk = block_sizes.block_k
@@ -94,6 +106,8 @@ def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv
     mask = _block_mask(segment_ids, u * bk, bk, sq, causal=causal, kv_len=kv_len)
     if mask is not None:
       s = jnp.where(mask[:, :, None, None, :], s, NEG)
+    if tile_skip is not None:
+      s = jnp.where(skip_rows[u][..., None], NEG, s)
     m_new = jnp.where(fixed, m, jnp.maximum(m, s.max(-1)))
     alpha = jnp.exp2(m - m_new)
     p = jnp.exp2(s - m_new[..., None])
@@ -101,16 +115,20 @@ def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv
     pv = jnp.einsum("bqhgk,bkhd->bqhgd", p_lo, v_u, precision=prec, preferred_element_type=jnp.float32)
     # Fixed rows sum the weights that multiplied V (see stabilizer.py).
     row_sum = jnp.where(fixed, p_lo.astype(jnp.float32).sum(-1), p.sum(-1))
-    return (acc * alpha[..., None] + pv, m_new, l * alpha + row_sum), None
+    return (acc * alpha[..., None] + pv, m_new, l * alpha + row_sum), (s.max(-1) if tile_max else None)
 
   init = jax.tree.map(lambda x: varying_like(x, q), (jnp.zeros(qg.shape, jnp.float32), m0, jnp.zeros(m0.shape)))
   nk = k.shape[1] // bk
-  (acc, m, l), _ = jax.lax.scan(step, init, (jnp.arange(nk), _kv_blocks(k, bk), _kv_blocks(v, bk)))
+  if tile_skip is not None:  # [B, Hq, nq, nk] -> per kv tile, per row: [nk, B, S, Hkv, G]
+    skip_rows = jax.vmap(to_rows, in_axes=-1)(jnp.repeat(tile_skip, block_sizes.block_q, axis=2))
+  (acc, m, l), maxima = jax.lax.scan(step, init, (jnp.arange(nk), _kv_blocks(k, bk), _kv_blocks(v, bk)))
   empty = (l == 0) | (m == NEG)
   l_safe = jnp.where(empty, 1.0, l)
   o = jnp.where(empty[..., None], 0.0, acc / l_safe[..., None])
   lse = jnp.where(empty, EMPTY_LSE, m + jnp.log2(l_safe))
-  return o.reshape(q.shape).astype(q.dtype), lse.reshape(b, sq, hq).transpose(0, 2, 1)
+  if tile_max:  # [nk, B, S, Hkv, G] -> [B, Hq, S, nk]
+    maxima = maxima.reshape(nk, b, sq, hq).transpose(1, 3, 2, 0)
+  return o.reshape(q.shape).astype(q.dtype), lse.reshape(b, sq, hq).transpose(0, 2, 1), maxima
 
 
 def backward(q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_sizes, interpret=False):

@@ -1,0 +1,102 @@
+"""Temporal tile skipping (reference path): exact when off, within its promised bound when on, explicit state."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import f64_reference as ref
+from clis_kernels import attention, diffusion, reference
+
+BS = reference.BlockSizes(block_q=16, block_k=16)
+
+
+def local_inputs(seed, seq=90, heads=2, d=32, sharpness=3.0, drift=0.0):
+  """Rows attend mostly to their own neighbourhood, as video tokens do; `drift` perturbs a later step."""
+  rng = np.random.default_rng(seed)
+  pos = np.arange(seq) / seq
+  freqs = np.arange(1, d // 2 + 1)
+  base = np.concatenate([np.cos(np.outer(pos, freqs) * 2.0), np.sin(np.outer(pos, freqs) * 2.0)], -1)
+  q = sharpness * base[None, :, None, :] + 0.3 * rng.standard_normal((1, seq, heads, d))
+  k = sharpness * base[None, :, None, :] + 0.3 * rng.standard_normal((1, seq, heads, d))
+  v = rng.standard_normal((1, seq, heads, d))
+  if drift:
+    q, k = q + drift * rng.standard_normal(q.shape), k + drift * rng.standard_normal(k.shape)
+  return tuple(jnp.asarray(x, jnp.float32) for x in (q, k, v))
+
+
+@pytest.mark.parametrize("thr", [-math.inf, -200.0])
+def test_no_marks_means_dense_bit_for_bit(thr):
+  q, k, v = local_inputs(0)
+  state = diffusion.init_state(1, 2, 90, BS)
+  dense = attention(q, k, v, causal=False, implementation="reference", block_sizes=BS)
+  for _ in range(3):
+    out, state, stats = diffusion.attention(q, k, v, state, thr=thr, block_sizes=BS)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(dense))
+    assert not bool(state.skip.any())
+  assert int(state.calls) == 3
+
+
+def test_error_stays_under_the_promised_bound():
+  q, k, v = local_inputs(1)
+  thr = -12.0
+  state = diffusion.init_state(1, 2, 90, BS)
+  first, state, stats = diffusion.attention(q, k, v, state, thr=thr, block_sizes=BS)
+  assert 0.1 < float(state.skip.mean()) < 0.9, "the local inputs should make some tiles negligible"
+  second, state2, stats2 = diffusion.attention(q, k, v, state, thr=thr, block_sizes=BS)
+  assert float(stats2.sparsity) == float(state.skip.mean())
+  want = ref.attention(q, k, v, jnp.zeros_like(q), causal=False)[0]
+  # The promise: each skipped tile weighed < 2^thr in every row at the marking call (same inputs here).
+  skipped_per_row = np.repeat(np.asarray(state.skip).sum(-1), 16, axis=-1)[..., :90]  # [B, H, S]
+  delta = skipped_per_row * 2.0 ** thr
+  bound = 2 * delta / (1 - delta) * float(jnp.abs(v).max())
+  err = np.abs(np.asarray(second, np.float64) - want).max(-1).transpose(0, 2, 1)  # [B, H, S]
+  assert np.all(err <= bound + 1e-6), (err.max(), bound.max())
+  assert err.max() > 0  # tiles really were left out
+
+
+def test_marks_only_accumulate_and_fresh_state_is_dense():
+  state = diffusion.init_state(1, 2, 90, BS)
+  seen = None
+  for step in range(4):
+    q, k, v = local_inputs(2, drift=0.02 * step)
+    thr = diffusion.threshold_schedule(step, num_steps=4, dense_steps=1, thr_early=-16.0, thr_late=-10.0)
+    _, state, stats = diffusion.attention(q, k, v, state, thr=thr, block_sizes=BS)
+    skip = np.asarray(state.skip)
+    if seen is not None:
+      assert np.all(skip >= seen)  # write ⊆ read: a skipped tile never comes back
+    seen = skip
+    if step == 0:
+      assert not skip.any()  # the first (dense) step marks nothing
+  assert seen.any()
+  q, k, v = local_inputs(2)
+  fresh, _, _ = diffusion.attention(q, k, v, diffusion.init_state(1, 2, 90, BS), thr=-10.0, block_sizes=BS)
+  dense = attention(q, k, v, causal=False, implementation="reference", block_sizes=BS)
+  np.testing.assert_array_equal(np.asarray(fresh), np.asarray(dense))
+
+
+def test_state_is_per_layer_and_survives_jit():
+  layers = [diffusion.init_state(1, 2, 90, BS) for _ in range(2)]
+  step = jax.jit(lambda q, k, v, s: diffusion.attention(q, k, v, s, thr=-10.0, block_sizes=BS)[:2])
+  inputs = [local_inputs(3), local_inputs(4, sharpness=0.5)]  # a sparse layer and a dense-ish layer
+  for _ in range(2):
+    for i, (q, k, v) in enumerate(inputs):
+      _, layers[i] = step(q, k, v, layers[i])
+  assert isinstance(layers[0], diffusion.SkipState) and int(layers[0].calls) == 2
+  assert float(layers[0].skip.mean()) > float(layers[1].skip.mean())
+
+
+def test_schedule_is_dense_first_and_stricter_early():
+  thrs = [diffusion.threshold_schedule(s, num_steps=10, dense_steps=2) for s in range(10)]
+  assert thrs[:2] == [-math.inf, -math.inf]
+  assert thrs[2] == -20.0 and thrs[-1] == -10.0 and thrs == sorted(thrs)
+
+
+def test_state_shape_is_checked():
+  q, k, v = local_inputs(0)
+  with pytest.raises(ValueError, match="state.skip.shape"):
+    diffusion.attention(q, k, v, diffusion.init_state(1, 3, 90, BS), thr=-10.0, block_sizes=BS)
