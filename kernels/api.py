@@ -16,7 +16,8 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from clis_kernels import masks, reference, stabilizer
+from clis_kernels import masks, reference
+from clis_kernels import stabilizer as certificate
 
 
 class Backend(NamedTuple):
@@ -169,7 +170,6 @@ def _xla_attention(q, k, v, segment_ids, *, causal, scale):
   """Dense jax.nn attention under the same mask convention (padding rows return 0)."""
   mask = None
   if segment_ids is not None:
-    mask = masks.visible(jnp.arange(q.shape[1]), jnp.arange(k.shape[1]), None, None, causal=causal, kv_len=None)
     seg = jax.vmap(lambda s: masks.visible(jnp.arange(s.shape[0]), jnp.arange(s.shape[0]), s, s,
                                            causal=causal, kv_len=None))(segment_ids)
     mask = seg[:, None]
@@ -224,8 +224,8 @@ def attention(q, k, v, segment_ids=None, *, causal=True, scale=None, stabilizer=
 
   cert = None
   if stabilizer == "clis":
-    cert = stabilizer_module.certify(qp, kp, vp, segp, causal=causal, scale=scale, tau=float(tau),
-                                     granularity=granularity, block_q=block_sizes.tile, seq_len=kv_seq_len)
+    cert = certificate.certify(qp, kp, vp, segp, causal=causal, scale=scale, tau=float(tau),
+                               granularity=granularity, block_q=block_sizes.tile, seq_len=kv_seq_len)
   out = _attend(static, qp, kp, vp, segp, cert)[:, :seq_len]
   if not return_stats:
     return out
@@ -234,5 +234,3 @@ def attention(q, k, v, segment_ids=None, *, causal=True, scale=None, stabilizer=
   frac = tiles.astype(jnp.float32)
   return out, AttentionStats(tiles, frac.mean(), frac.mean(axis=(0, 2)))
 
-
-stabilizer_module = stabilizer
