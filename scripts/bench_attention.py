@@ -1,5 +1,6 @@
 """Kernel-level attention throughput: our `clis` and `online` against cuDNN, dense XLA, tokamax, splash.
 
+`clis_prepass` times the certificate pre-pass alone (clis time = pre-pass + kernel).
 Cases (--suite): `llm` — causal, Hq=32, Hkv=8, D=128, S in --seq-lens, with and without packed
 segments (4 documents per row); `dit` — bidirectional, H in {12, 40}, D=128, S in {16384, 32768,
 75600}. Passes: fwd and fwd_bwd. Every variant of a case is timed round-robin (A B C A B C ...),
@@ -22,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from clis_kernels import attention
+from clis_kernels import attention, pallas_gpu, pallas_tpu, reference, stabilizer
 from clis_train import benchmarking
 
 
@@ -61,6 +62,15 @@ def _splash(q, k, v, seg, causal):
       qh, kh, vh, ids).transpose(0, 2, 1, 3)
 
 
+def _tile(q, platform, quick):
+  """The certificate's tile: the forward q block of the kernel `attention` picks on this platform."""
+  if quick or platform == "gpu":
+    return pallas_gpu.default_block_sizes(q.shape[-1], q.shape[1], q.dtype).tile
+  if platform == "tpu":
+    return pallas_tpu.default_block_sizes(q.shape[-1], q.shape[1], q.dtype).tile
+  return reference.default_block_sizes(q.shape[-1], q.shape[1], q.dtype).tile
+
+
 def implementations(names, platform, quick):
   """{name: f(q, k, v, seg, causal)} for the names this platform can run, and notes on the rest."""
   ours = dict(implementation="pallas_gpu", interpret=True) if quick else {}
@@ -71,6 +81,9 @@ def implementations(names, platform, quick):
       "cudnn": lambda q, k, v, seg, causal: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
                                                                          implementation="cudnn"),
   }
+  table["clis_prepass"] = lambda q, k, v, seg, causal: stabilizer.certify(
+      q, k, v, seg, causal=causal, scale=q.shape[-1] ** -0.5, tau=64.0, granularity="tile",
+      block_q=_tile(q, platform, quick), seq_len=q.shape[1])
   fns, notes = {}, []
   for name in names:
     if name == "cudnn" and platform != "gpu":
@@ -117,7 +130,8 @@ def main():
   parser.add_argument("--batch", type=int, default=1)
   parser.add_argument("--passes", nargs="+", default=["fwd", "fwd_bwd"], choices=["fwd", "fwd_bwd"])
   parser.add_argument("--impls", nargs="+",
-                      default=["clis", "online", "cudnn", "xla", "tokamax_mosaic", "tokamax_triton", "splash"])
+                      default=["clis", "clis_prepass", "online", "cudnn", "xla", "tokamax_mosaic", "tokamax_triton",
+                               "splash"])
   parser.add_argument("--xla-max-gb", type=float, default=16.0, help="skip dense XLA when its logits exceed this")
   parser.add_argument("--repeats", type=int, default=25)
   parser.add_argument("--inner", type=int, default=10)
@@ -125,7 +139,7 @@ def main():
   parser.add_argument("--out", default=None)
   args = parser.parse_args()
   if args.quick:
-    args.repeats, args.inner, args.impls = min(args.repeats, 3), 1, ["clis", "online", "xla", "cudnn"]
+    args.repeats, args.inner, args.impls = min(args.repeats, 3), 1, ["clis", "clis_prepass", "online", "xla", "cudnn"]
   platform = jax.devices()[0].platform
   fns, notes = implementations(args.impls, platform, args.quick)
   for note in notes:
@@ -140,6 +154,9 @@ def main():
         continue
       if c["packed"] and (name == "cudnn" or name.startswith("tokamax_")):
         continue  # these entry points take no segment ids here
+      if name == "clis_prepass":  # the certificate alone, to split clis time into pre-pass and kernel
+        variants[(name, "fwd")] = functools.partial(jax.jit(functools.partial(f, causal=c["causal"])), q, k, v, seg)
+        continue
       fwd = jax.jit(functools.partial(f, causal=c["causal"]))
       if "fwd" in args.passes:
         variants[(name, "fwd")] = functools.partial(fwd, q, k, v, seg)
@@ -154,7 +171,7 @@ def main():
       name, pass_ = key.split("|")
       work = flops * (3.5 if pass_ == "fwd_bwd" else 1.0)
       records.append(dict(case=c["case"], impl=name, **{"pass": pass_}, ms=med, ms_min=lo, ms_max=hi,
-                          tflops=work / med / 1e9, B=c["b"], S=c["s"], Hq=c["hq"], Hkv=c["hkv"], D=c["d"],
+                          tflops=None if name == "clis_prepass" else work / med / 1e9, B=c["b"], S=c["s"], Hq=c["hq"], Hkv=c["hkv"], D=c["d"],
                           causal=c["causal"], packed=c["packed"], repeat=args.repeats, inner=args.inner, **meta))
   out = args.out or benchmarking.default_output(f"attention_{'quick' if args.quick else args.suite}")
   benchmarking.write_report(records, out)
