@@ -26,23 +26,24 @@ class Backend(NamedTuple):
   block_sizes_type: type
   default_block_sizes: Callable[[int, int, Any], Any]
   platforms: tuple[str, ...]  # platforms that run it compiled (others need interpret=True)
+  certifies_in_kernel: bool  # takes KeyBounds and certifies each tile itself (no pre-pass over q)
 
 
 def _pallas_gpu() -> Backend:
   from clis_kernels import pallas_gpu, pallas_gpu_vjp
   return Backend(pallas_gpu.forward, pallas_gpu_vjp.backward, pallas_gpu.BlockSizes,
-                 pallas_gpu.default_block_sizes, ("gpu",))
+                 pallas_gpu.default_block_sizes, ("gpu",), True)
 
 
 def _pallas_tpu() -> Backend:
   from clis_kernels import pallas_tpu, pallas_tpu_vjp
   return Backend(pallas_tpu.forward, pallas_tpu_vjp.backward, pallas_tpu.BlockSizes,
-                 pallas_tpu.default_block_sizes, ("tpu",))
+                 pallas_tpu.default_block_sizes, ("tpu",), False)
 
 
 def _reference() -> Backend:
   return Backend(reference.forward, reference.backward, reference.BlockSizes,
-                 reference.default_block_sizes, ("cpu", "gpu", "tpu"))
+                 reference.default_block_sizes, ("cpu", "gpu", "tpu"), False)
 
 
 BACKENDS: dict[str, Callable[[], Backend]] = {
@@ -79,6 +80,7 @@ class _Static:
   causal: bool
   scale: float
   kv_len: int | None
+  seq_len: int
   block_sizes: Any
   interpret: bool
 
@@ -141,26 +143,34 @@ def _pad_seq(x, multiple, value=0):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attend(static: _Static, q, k, v, segment_ids, cert):
-  return _attend_fwd(static, q, k, v, segment_ids, cert)[0]
+def _attend(static: _Static, q, k, v, segment_ids, stab):
+  """(out, certified tiles or None). stab: a Certificate, KeyBounds (in-kernel certificate) or None."""
+  return _attend_fwd(static, q, k, v, segment_ids, stab)[0]
 
 
-def _attend_fwd(static, q, k, v, segment_ids, cert):
+def _forward(static, q, k, v, segment_ids, stab):
   backend = BACKENDS[static.backend]()
-  o, lse = backend.forward(q, k, v, segment_ids, cert, causal=static.causal, scale=static.scale,
-                           kv_len=static.kv_len, block_sizes=static.block_sizes, interpret=static.interpret)
-  return o, (q, k, v, segment_ids, cert, o, lse)
+  kw = dict(causal=static.causal, scale=static.scale, kv_len=static.kv_len, block_sizes=static.block_sizes,
+            interpret=static.interpret)
+  if isinstance(stab, certificate.KeyBounds):
+    return backend.forward(q, k, v, segment_ids, None, keys=stab, seq_len=static.seq_len, **kw)
+  return backend.forward(q, k, v, segment_ids, stab, **kw)
 
 
-def _attend_bwd(static, residuals, do):
-  q, k, v, segment_ids, cert, o, lse = residuals
+def _attend_fwd(static, q, k, v, segment_ids, stab):
+  o, lse, tiles = _forward(static, q, k, v, segment_ids, stab)
+  return (o, tiles), (q, k, v, segment_ids, stab, o, lse)
+
+
+def _attend_bwd(static, residuals, cotangents):
+  q, k, v, segment_ids, stab, o, lse = residuals
+  do, _ = cotangents  # the certified-tile flags carry no gradient
   backend = BACKENDS[static.backend]()
   dq, dk, dv = backend.backward(q, k, v, segment_ids, o, lse, do, causal=static.causal, scale=static.scale,
                                 kv_len=static.kv_len, block_sizes=static.block_sizes,
                                 interpret=static.interpret)
-  zero_cert = None if cert is None else jax.tree.map(
-      lambda x: jnp.zeros_like(x) if jnp.issubdtype(x.dtype, jnp.floating) else None, cert)
-  return dq, dk, dv, None, zero_cert
+  zero_stab = jax.tree.map(lambda x: jnp.zeros_like(x) if jnp.issubdtype(x.dtype, jnp.floating) else None, stab)
+  return dq, dk, dv, None, zero_stab
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
@@ -220,17 +230,21 @@ def attention(q, k, v, segment_ids=None, *, causal=True, scale=None, stabilizer=
   qp, kp, vp = _pad_seq(q, multiple), _pad_seq(k, multiple), _pad_seq(v, multiple)
   segp = None if segment_ids is None else _pad_seq(segment_ids.astype(jnp.int32), multiple)
   needs_kv_mask = kp.shape[1] != kv_seq_len and not causal and segment_ids is None
-  static = _Static(impl, bool(causal), scale, kv_seq_len if needs_kv_mask else None, block_sizes, bool(interpret))
+  static = _Static(impl, bool(causal), scale, kv_seq_len if needs_kv_mask else None, seq_len, block_sizes,
+                   bool(interpret))
 
-  cert = None
+  stab = None
   if stabilizer == "clis":
-    cert = certificate.certify(qp, kp, vp, segp, causal=causal, scale=scale, tau=float(tau),
-                               granularity=granularity, block_q=block_sizes.tile, seq_len=kv_seq_len)
-  out = _attend(static, qp, kp, vp, segp, cert)[:, :seq_len]
+    stab = certificate.key_bounds(kp, vp, segp, causal=causal, tau=float(tau), block_q=block_sizes.tile,
+                                  seq_len=kv_seq_len)
+    if granularity == "head" or not backend.certifies_in_kernel:
+      stab = certificate.certify_rows(qp, kp, segp, stab, causal=causal, scale=scale, granularity=granularity,
+                                      block_q=block_sizes.tile, seq_len=seq_len)
+  out, tiles = _attend(static, qp, kp, vp, segp, stab)
+  out = out[:, :seq_len]
   if not return_stats:
     return out
-  num_tiles = qp.shape[1] // block_sizes.tile
-  tiles = cert.certified if cert is not None else jnp.zeros((q.shape[0], q.shape[2], num_tiles), bool)
+  if tiles is None:
+    tiles = jnp.zeros((q.shape[0], q.shape[2], qp.shape[1] // block_sizes.tile), bool)
   frac = tiles.astype(jnp.float32)
   return out, AttentionStats(tiles, frac.mean(), frac.mean(axis=(0, 2)))
-

@@ -21,7 +21,9 @@ from jax.experimental.pallas import triton as plgpu
 
 from clis_kernels import masks
 from clis_kernels.common import dot_precision, out_struct
-from clis_kernels.stabilizer import EMPTY_LSE, LOG2E, NEG, Certificate
+from clis_kernels.stabilizer import EMPTY_LSE, LOG2E, NEG, Certificate, KeyBounds, row_bounds, stabilize
+
+SUM_COLUMNS = 16  # width of the ones matrix the fixed path sums its weights with (Triton's minimum dot N)
 
 
 def _is_pow2(x: int) -> bool:
@@ -30,10 +32,16 @@ def _is_pow2(x: int) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """Tiles and launch shape of the forward (block_q, block_k) and backward kernels."""
+  """Tiles and launch shape of the forward and backward kernels.
+
+  The forward's certified loop steps by block_k_fixed, its online loop by block_k: without
+  the rescale the fixed loop is cheaper per key and prefers a different tile (H200 sweep,
+  notes/kernels.md).
+  """
 
   block_q: int = 128
-  block_k: int = 64
+  block_k: int = 128
+  block_k_fixed: int = 64
   num_warps: int = 8
   num_stages: int = 3
   block_q_dq: int = 64
@@ -66,124 +74,170 @@ def default_block_sizes(head_dim: int, seq_len: int, dtype) -> BlockSizes:
   """Tiles per head dim and dtype (f32 tiles take twice the shared memory), shrunk for short sequences."""
   cap = max(16, 1 << (max(seq_len, 1) - 1).bit_length())
   fit = lambda b: min(b, cap)
+  bwd = lambda b, warps, stages: dict(block_q_dq=fit(b), block_k_dq=fit(b), block_q_dkv=fit(b), block_k_dkv=fit(b),
+                                      num_warps_bwd=warps, num_stages_bwd=stages)
   if jnp.dtype(dtype).itemsize > 2:
-    return BlockSizes(fit(64), fit(32), 4, 2, fit(32), fit(32), fit(32), fit(32), 4, 1)
+    return BlockSizes(fit(64), fit(32), fit(32), 4, 2, **bwd(32, 4, 1))
   if head_dim <= 64:
-    return BlockSizes(fit(128), fit(64), 4, 3, fit(64), fit(64), fit(64), fit(64), 4, 2)
+    return BlockSizes(fit(128), fit(128), fit(64), 4, 3, **bwd(64, 4, 2))
   if head_dim <= 128:
-    return BlockSizes(fit(128), fit(64), 8, 3, fit(64), fit(64), fit(64), fit(64), 4, 2)
-  return BlockSizes(fit(64), fit(32), 8, 2, fit(32), fit(32), fit(32), fit(32), 4, 1)
+    return BlockSizes(fit(128), fit(128), fit(64), 8, 3, **bwd(64, 4, 2))
+  return BlockSizes(fit(64), fit(32), fit(32), 8, 2, **bwd(32, 4, 1))
 
 
-
-def _fwd_kernel(*refs, has_segments: bool, fixed_mode: bool, causal: bool, sigma2: float, block_q: int, block_k: int,
-                kv_len: int | None, num_q_blocks: int, precision):
+def _fwd_kernel(*refs, has_segments: bool, mode: str, causal: bool, sigma2: float, block_q: int, block_k: int,
+                block_k_fixed: int, kv_len: int | None, seq_len: int, num_q_blocks: int, precision):
   q_ref, k_ref, v_ref = refs[:3]
   qseg_ref, kseg_ref = refs[3:5] if has_segments else (None, None)
-  m_ref, cert_ref, o_ref, lse_ref = refs[-4:]
+  stab_refs, (o_ref, lse_ref, tiles_ref) = refs[3 + 2 * has_segments:-3], refs[-3:]
   pid = pl.program_id(0)
   q_block = num_q_blocks - 1 - pid if causal else pid
-  num_kv_blocks = k_ref.shape[0] // block_k
   q = q_ref[...]
   q_pos = q_block * block_q + jnp.arange(block_q)
   q_seg = None if qseg_ref is None else qseg_ref[...]
 
-  def scores(start_k, masked):
-    k = k_ref[pl.ds(start_k * block_k, block_k), :]
+  def scores(start_k, block, masked):
+    k = k_ref[pl.ds(start_k * block, block), :]
     s = plgpu.dot(q, k, trans_b=True, precision=precision) * sigma2
     if masked:
-      k_pos = start_k * block_k + jnp.arange(block_k)
-      k_seg = None if kseg_ref is None else kseg_ref[pl.ds(start_k * block_k, block_k)]
+      k_pos = start_k * block + jnp.arange(block)
+      k_seg = None if kseg_ref is None else kseg_ref[pl.ds(start_k * block, block)]
       mask = masks.visible(q_pos, k_pos, q_seg, k_seg, causal=causal, kv_len=kv_len)
       s = s if mask is None else jnp.where(mask, s, NEG)
     return s
 
-  def pv(p, start_k):
-    v = v_ref[pl.ds(start_k * block_k, block_k), :]
+  def pv(p, start_k, block):
+    v = v_ref[pl.ds(start_k * block, block), :]
     return plgpu.dot(p.astype(v.dtype), v, precision=precision)
 
   def fixed_body(start_k, carry, masked):
-    # No max, no rescale; l sums the weights that multiplied V, rounded to v's dtype (stabilizer.py).
+    # No max, no rescale. l sums the weights that multiplied V, rounded to v's dtype
+    # (stabilizer.py), on the tensor cores: p·ones keeps the sum off the vector units.
     acc, m, l = carry
-    p = jnp.exp2(scores(start_k, masked) - m[:, None]).astype(v_ref.dtype).astype(jnp.float32)
-    return acc + pv(p, start_k), m, l + p.sum(axis=1)
+    p = jnp.exp2(scores(start_k, block_k_fixed, masked) - m[:, None]).astype(v_ref.dtype)
+    ones = jnp.ones((block_k_fixed, SUM_COLUMNS), v_ref.dtype)
+    l = l + plgpu.dot(p, ones, precision=precision)
+    return acc + pv(p, start_k, block_k_fixed), m, l
 
   def online_body(start_k, carry, masked):
     acc, m, l = carry
-    s = scores(start_k, masked)
+    s = scores(start_k, block_k, masked)
     m_new = jnp.maximum(m, s.max(axis=1))
     alpha = jnp.exp2(m - m_new)
     p = jnp.exp2(s - m_new[:, None])
-    return acc * alpha[:, None] + pv(p, start_k), m_new, l * alpha + p.sum(axis=1)
+    return acc * alpha[:, None] + pv(p, start_k, block_k), m_new, l * alpha + p.sum(axis=1)
 
-  # Blocks [0, num_full) need no mask unless segments hide keys; [num_full, num_total) do.
-  if causal:
-    num_full, num_total = masks.causal_kv_blocks(q_block, block_q=block_q, block_k=block_k,
-                                                  num_kv_blocks=num_kv_blocks, div=lax.div)
-  else:
-    num_full, num_total = masks.bidirectional_kv_blocks(kv_len=kv_len, block_k=block_k, num_kv_blocks=num_kv_blocks)
-  always_masked = qseg_ref is not None
-
-  def run(body, m0):
-    carry = (jnp.zeros(o_ref.shape, jnp.float32), m0, jnp.zeros((block_q,), jnp.float32))
-    carry = lax.fori_loop(0, num_full, functools.partial(body, masked=always_masked), carry)
+  def run(body, block, m0, l0):
+    # Blocks [0, num_full) need no mask unless segments hide keys; [num_full, num_total) do.
+    num_kv_blocks = k_ref.shape[0] // block
+    if causal:
+      num_full, num_total = masks.causal_kv_blocks(q_block, block_q=block_q, block_k=block,
+                                                    num_kv_blocks=num_kv_blocks, div=lax.div)
+    else:
+      num_full, num_total = masks.bidirectional_kv_blocks(kv_len=kv_len, block_k=block, num_kv_blocks=num_kv_blocks)
+    carry = (jnp.zeros(o_ref.shape, jnp.float32), m0, l0)
+    carry = lax.fori_loop(0, num_full, functools.partial(body, masked=qseg_ref is not None), carry)
     return lax.fori_loop(num_full, num_total, functools.partial(body, masked=True), carry)
 
-  online = lambda: run(online_body, jnp.full((block_q,), NEG, jnp.float32))
-  if fixed_mode:
-    certified = jnp.sum(cert_ref[...]) > 0
-    acc, m, l = lax.cond(certified, lambda: run(fixed_body, m_ref[...]), online)
-  else:
+  def fixed(m0):
+    acc, m, l = run(fixed_body, block_k_fixed, m0, jnp.zeros((block_q, SUM_COLUMNS), jnp.float32))
+    return acc, m, l.sum(axis=1) * (1.0 / SUM_COLUMNS)  # the columns are equal: exact
+
+  def online():
+    return run(online_body, block_k, jnp.full((block_q,), NEG, jnp.float32), jnp.zeros((block_q,), jnp.float32))
+
+  if mode == "online":
+    certified = jnp.bool_(False)
     acc, m, l = online()
+  else:
+    if mode == "keys":  # certificate from this tile's rows (stabilizer.row_bounds), no pre-pass over q
+      centre_ref, radius_ref, headroom_ref, threshold_ref = stab_refs
+      qf = q.astype(jnp.float32)
+      centre = centre_ref[...].astype(jnp.float32)
+      k_diag = None
+      if causal or has_segments:
+        k_diag = k_ref[pl.ds(q_block * block_q, block_q), :].astype(jnp.float32)
+      upper, lower = row_bounds(qf, centre if centre.ndim == 2 else centre[None, :], radius_ref[...], k_diag,
+                                sigma2=sigma2)
+      row_real = q_pos < seq_len
+      if q_seg is not None:
+        row_real = row_real & (q_seg != 0)
+      m0, row_ok = stabilize(upper, lower, headroom_ref[...], threshold_ref[...], row_real)
+      certified = jnp.sum((~row_ok).astype(jnp.int32)) == 0
+    else:  # "cert": m and the tile's certificate from the XLA pre-pass
+      m_ref, cert_ref = stab_refs
+      m0, certified = m_ref[...], jnp.sum(cert_ref[...]) > 0
+    acc, m, l = lax.cond(certified, lambda: fixed(m0), online)
 
   empty = (l == 0.0) | (m == NEG)
   l_safe = jnp.where(empty, 1.0, l)
   o_ref[...] = jnp.where(empty[:, None], 0.0, acc / l_safe[:, None]).astype(o_ref.dtype)
   lse_ref[...] = jnp.where(empty, EMPTY_LSE, m + jnp.log2(l_safe))
+  tiles_ref[...] = jnp.broadcast_to(certified.astype(jnp.int32), (1,))
 
 
 def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv_len, block_sizes: BlockSizes,
-            interpret=False):
-  """Returns (o [B, S, Hq, D], lse [B, Hq, S] f32 base 2)."""
+            keys: KeyBounds | None = None, seq_len: int | None = None, interpret=False):
+  """Returns (o [B, S, Hq, D], lse [B, Hq, S] f32 base 2, certified tiles [B, Hq, nq] bool or None).
+
+  The stabilizer comes from `cert` (XLA pre-pass) or, preferably, `keys` (the kernel
+  certifies each tile from its own rows); neither runs the online softmax. seq_len: the
+  real query length (rows past it are block padding), needed with `keys`.
+  """
   batch, seq, num_heads, head_dim = q.shape
   group = num_heads // k.shape[2]
-  bq, bk = block_sizes.block_q, block_sizes.block_k
+  bq = block_sizes.block_q
   nq = seq // bq
   if not _is_pow2(head_dim) or head_dim < 16:
     raise ValueError(f"{head_dim=} must be a power of two >= 16 for implementation='pallas_gpu'")
+  if cert is not None and keys is not None:
+    raise ValueError("pass the stabilizer as cert or as keys, not both")
+  # Grid (q tile, batch, head); causal tiles run last-first so the longest start early.
   qmap = (lambda i, b, h: (b, nq - 1 - i, h, 0)) if causal else (lambda i, b, h: (b, i, h, 0))
   rowmap = (lambda i, b, h: (b, h, nq - 1 - i)) if causal else (lambda i, b, h: (b, h, i))
   kvmap = lambda i, b, h: (b, 0, h // group, 0)
   seg_q_map = (lambda i, b, h: (b, nq - 1 - i)) if causal else (lambda i, b, h: (b, i))
+  kv_head_scalar = lambda i, b, h: (b, h // group, 0)
 
-  fixed_mode = cert is not None
-  if fixed_mode:
-    m_in, cert_in = cert.m, cert.certified.astype(jnp.int32)
-  else:  # placeholders keep one kernel signature; the online kernel never reads them
-    m_in, cert_in = jnp.zeros((batch, num_heads, seq), jnp.float32), jnp.zeros((batch, num_heads, nq), jnp.int32)
-  has_seg = segment_ids is not None
-  kernel = functools.partial(
-      _fwd_kernel, has_segments=has_seg, fixed_mode=fixed_mode, causal=causal, sigma2=scale * LOG2E, block_q=bq, block_k=bk, kv_len=kv_len,
-      num_q_blocks=nq, precision=dot_precision(q.dtype))
   in_specs = [
       pl.BlockSpec((None, bq, None, head_dim), qmap),
       pl.BlockSpec((None, seq, None, head_dim), kvmap),
       pl.BlockSpec((None, seq, None, head_dim), kvmap),
   ]
   args = [q, k, v]
-  if has_seg:
+  if segment_ids is not None:
     in_specs += [pl.BlockSpec((None, bq), seg_q_map), pl.BlockSpec((None, seq), lambda i, b, h: (b, 0))]
     args += [segment_ids, segment_ids]
-  in_specs += [pl.BlockSpec((None, None, bq), rowmap), pl.BlockSpec((None, None, 1), rowmap)]
-  args += [m_in, cert_in]
-  return pl.pallas_call(
+  if keys is not None:
+    mode = "keys"
+    if keys.centre.shape[1] == 1:  # one centre per (batch, kv head)
+      in_specs.append(pl.BlockSpec((None, None, None, head_dim), lambda i, b, h: (b, 0, h // group, 0)))
+    else:  # packed: each query position's segment centre
+      in_specs.append(pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (*qmap(i, b, h)[:2], h // group, 0)))
+    tile_of = (lambda i, b, h: (b, h // group, nq - 1 - i)) if keys.radius.shape[-1] > 1 else kv_head_scalar
+    in_specs += [pl.BlockSpec((None, None, 1), tile_of)] + [pl.BlockSpec((None, None, 1), kv_head_scalar)] * 2
+    args += [keys.centre, keys.radius, keys.headroom[..., None], keys.threshold[..., None]]
+  elif cert is not None:
+    mode = "cert"
+    in_specs += [pl.BlockSpec((None, None, bq), rowmap), pl.BlockSpec((None, None, 1), rowmap)]
+    args += [cert.m, cert.certified.astype(jnp.int32)]
+  else:
+    mode = "online"
+  kernel = functools.partial(
+      _fwd_kernel, has_segments=segment_ids is not None, mode=mode, causal=causal, sigma2=scale * LOG2E,
+      block_q=bq, block_k=block_sizes.block_k, block_k_fixed=block_sizes.block_k_fixed, kv_len=kv_len,
+      seq_len=seq if seq_len is None else seq_len, num_q_blocks=nq, precision=dot_precision(q.dtype))
+  o, lse, tiles = pl.pallas_call(
       kernel,
       grid=(nq, batch, num_heads),
       in_specs=in_specs,
-      out_specs=[pl.BlockSpec((None, bq, None, head_dim), qmap), pl.BlockSpec((None, None, bq), rowmap)],
+      out_specs=[pl.BlockSpec((None, bq, None, head_dim), qmap), pl.BlockSpec((None, None, bq), rowmap),
+                 pl.BlockSpec((None, None, 1), rowmap)],
       out_shape=[out_struct(q.shape, q.dtype, q),
-                 out_struct((batch, num_heads, seq), jnp.float32, q)],
+                 out_struct((batch, num_heads, seq), jnp.float32, q),
+                 out_struct((batch, num_heads, nq), jnp.int32, q)],
       compiler_params=plgpu.CompilerParams(num_warps=block_sizes.num_warps, num_stages=block_sizes.num_stages),
       interpret=interpret,
-      name="clis_fwd" if fixed_mode else "online_fwd",
+      name="online_fwd" if mode == "online" else "clis_fwd",
   )(*args)
+  return o, lse, (None if mode == "online" else tiles != 0)

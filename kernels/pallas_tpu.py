@@ -174,7 +174,7 @@ def segment_operands(segment_ids):
 
 def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv_len, block_sizes: BlockSizes,
             interpret=False):
-  """Returns (o [B, S, Hq, D], lse [B, Hq, S] f32 base 2)."""
+  """Returns (o [B, S, Hq, D], lse [B, Hq, S] f32 base 2, cert.certified or None)."""
   batch, seq, num_heads, head_dim = q.shape
   group = num_heads // k.shape[2]
   bq, bk = block_sizes.block_q, block_sizes.block_k
@@ -220,4 +220,4 @@ def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv
       interpret=interpret_mode(interpret),
       name="clis_fwd_tpu" if fixed_mode else "online_fwd_tpu",
   )(cert_flat, *args)
-  return to_head_major(o), lse[..., 0]
+  return to_head_major(o), lse[..., 0], None if cert is None else cert.certified

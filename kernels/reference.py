@@ -71,19 +71,20 @@ def _block_mask(segment_ids, start_k, block_k, num_q, *, causal, kv_len):
 
 
 def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv_len, block_sizes, interpret=False):
-  """Returns (o [B, S, Hq, D] in q.dtype, lse [B, Hq, S] f32 base 2)."""
+  """Returns (o [B, S, Hq, D] in q.dtype, lse [B, Hq, S] f32 base 2, cert.certified or None)."""
   del interpret
   o, lse, _ = forward_with_tiles(q, k, v, segment_ids, cert, causal=causal, scale=scale, kv_len=kv_len,
                                  block_sizes=block_sizes)
-  return o, lse
+  return o, lse, None if cert is None else cert.certified
 
 
 def forward_with_tiles(q, k, v, segment_ids, cert, *, causal, scale, kv_len, block_sizes, tile_skip=None,
-                       tile_max=False):
+                       tile_gap=False):
   """`forward`, plus per-tile control for temporal skipping (kernels/diffusion).
 
   tile_skip: [B, Hq, nq, nk] bool, (q tile, kv tile) pairs to leave out, or None.
-  tile_max: also return each row's max base-2 logit per kv tile, [B, Hq, S, nk] (else None).
+  tile_gap: also return (gap [B, Hq, S, nk], log2_l [B, Hq, S]): each row's max base-2 logit
+    on each kv tile minus the stabilizer after that tile, and log2 of its final sum (else None).
   """
   b, sq, hq, d = q.shape
   hkv = k.shape[2]
@@ -115,7 +116,7 @@ def forward_with_tiles(q, k, v, segment_ids, cert, *, causal, scale, kv_len, blo
     pv = jnp.einsum("bqhgk,bkhd->bqhgd", p_lo, v_u, precision=prec, preferred_element_type=jnp.float32)
     # Fixed rows sum the weights that multiplied V (see stabilizer.py).
     row_sum = jnp.where(fixed, p_lo.astype(jnp.float32).sum(-1), p.sum(-1))
-    return (acc * alpha[..., None] + pv, m_new, l * alpha + row_sum), (s.max(-1) if tile_max else None)
+    return (acc * alpha[..., None] + pv, m_new, l * alpha + row_sum), (s.max(-1) - m_new if tile_gap else None)
 
   init = jax.tree.map(lambda x: varying_like(x, q), (jnp.zeros(qg.shape, jnp.float32), m0, jnp.zeros(m0.shape)))
   nk = k.shape[1] // bk
@@ -126,9 +127,11 @@ def forward_with_tiles(q, k, v, segment_ids, cert, *, causal, scale, kv_len, blo
   l_safe = jnp.where(empty, 1.0, l)
   o = jnp.where(empty[..., None], 0.0, acc / l_safe[..., None])
   lse = jnp.where(empty, EMPTY_LSE, m + jnp.log2(l_safe))
-  if tile_max:  # [nk, B, S, Hkv, G] -> [B, Hq, S, nk]
-    maxima = maxima.reshape(nk, b, sq, hq).transpose(1, 3, 2, 0)
-  return o.reshape(q.shape).astype(q.dtype), lse.reshape(b, sq, hq).transpose(0, 2, 1), maxima
+  heads_first = lambda x: x.reshape(b, sq, hq).transpose(0, 2, 1)
+  gap = None
+  if tile_gap:  # [nk, B, S, Hkv, G] -> [B, Hq, S, nk]
+    gap = (maxima.reshape(nk, b, sq, hq).transpose(1, 3, 2, 0), heads_first(jnp.log2(l_safe)))
+  return o.reshape(q.shape).astype(q.dtype), heads_first(lse), gap
 
 
 def backward(q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_sizes, interpret=False):

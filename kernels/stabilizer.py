@@ -5,10 +5,15 @@ t_ij = σ₂·q_i·k_j and softmax weights are 2^(t_ij − M_i) for any stabiliz
 
 Upper bound (before the KV loop). For any centre c, Cauchy–Schwarz gives
     t_ij = σ₂·q_i·c + σ₂·q_i·(k_j − c) ≤ σ₂·q_i·c + σ₂·‖q_i‖·‖k_j − c‖.
-We take c = the mean key of the segment (of the sequence when not packed; padding keys
-excluded), recomputed without outlier keys. Rows only see keys of their own segment, so one centre serves both sides of the
-inequality. With R_i = max over keys visible to row i of ‖k_j − c‖ (causal: a running max up
-to i; bidirectional: the segment's max),  U_i = σ₂·(q_i·c + ‖q_i‖·R_i) ≥ max_j t_ij.
+We take c = a robust mean key: the coordinate-wise median of the key blocks' means (of the
+sequence's; when packed, the segment's mean recomputed without outlier keys; padding keys
+excluded either way), so a single huge key (a sink) cannot loosen rows that never see it. Rows only see keys of their own segment, so one
+centre serves both sides of the inequality. One pass over K gives, per block u of block_q keys,
+r_u = max_{j∈u} ‖k_j − c‖; a q tile's radius R is the max of r_u over the blocks it may see
+(causal: up to its diagonal block, a prefix max; bidirectional: all), and
+U_i = σ₂·(q_i·c + ‖q_i‖·R) ≥ max_j t_ij. `key_bounds` is the pass over K and V; `row_bounds`
+is the per-row arithmetic, which the GPU kernel runs in its prologue on the q tile it has
+loaded, and the XLA pre-pass (`certify_rows`) runs on whole arrays for the other backends.
 
 Lower bound. Causal (or packed): the diagonal key is always visible, so L_i = t_ii.
 Bidirectional: the row sees its whole segment and max ≥ mean, so L_i = σ₂·q_i·c.
@@ -98,60 +103,92 @@ def _per_segment(reduce, values: jax.Array, index: jax.Array) -> jax.Array:
   return jax.vmap(one)(values, index)
 
 
-def row_bounds(q, k, segment_ids, *, causal: bool, scale: float, seq_len: int):
-  """Base-2 upper and lower bounds on each row's max logit.
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KeyBounds:
+  """What one pass over K and V gives, before any query is seen.
 
-  q: [B, Sq, Hq, D]; k: [B, Sk, Hkv, D]; segment_ids: [B, S] int or None (0 = padding);
-  seq_len: number of real positions (the rest is block padding).
-  Returns (upper, lower), each [B, Hq, Sq] f32.
+  centre:    [B, 1, Hkv, D] f32, the median of block means; [B, S, Hkv, D] when packed: each
+             position's (robust) segment mean.
+  radius:    [B, Hkv, num_q_blocks] f32 when causal: max ‖k_j − c‖ over the key blocks (of
+             block_q keys) up to the tile's diagonal; [B, Hkv, 1] otherwise (all keys).
+  headroom:  [B, Hkv] f32, h.
+  threshold: [B, Hkv] f32, min(τ·log2 e, h + T), the largest certifiable gap U − L.
   """
-  q = q.astype(jnp.float32)
-  k = k.astype(jnp.float32)
-  batch, sq, hq, _ = q.shape
-  sk, hkv = k.shape[1], k.shape[2]
-  group = hq // hkv
-  key_valid = masks.key_is_real(segment_ids, sk, seq_len)  # [B, Sk]
-  index = None if segment_ids is None else _segment_index(segment_ids)
 
+  centre: jax.Array
+  radius: jax.Array
+  headroom: jax.Array
+  threshold: jax.Array
+
+
+def _robust_segment_mean(kf, key_valid, index):
+  """Each position's segment mean key [B, Sk, Hkv, D], recomputed without the segment's
+  outliers (keys farther than 4x its mean distance)."""
   def mean(x, weight):
-    """Weighted mean over the sequence (or each key's segment) of x [B, Sk, Hkv, ...]."""
     x = jnp.where(weight, x, 0.0)
     w = jnp.broadcast_to(weight, x.shape[:3] + (1,)).astype(jnp.float32)
-    if index is None:
-      return x.sum(1, keepdims=True) / jnp.maximum(w.sum(1, keepdims=True), 1.0)
-    x_sum = _per_segment(jax.ops.segment_sum, x, index)
-    return x_sum / jnp.maximum(_per_segment(jax.ops.segment_sum, w, index), 1.0)
+    return _per_segment(jax.ops.segment_sum, x, index) / jnp.maximum(_per_segment(jax.ops.segment_sum, w, index), 1.0)
 
-  # The mean key, recomputed without outliers (keys farther than 4x the mean distance): any
-  # centre keeps the bound valid, and a robust one stops a single huge key (an attention
-  # sink) from loosening the bound of every row that never sees it.
   valid = key_valid[..., None, None]
-  first = mean(k, valid)
-  dist = jnp.linalg.norm(k - first, axis=-1, keepdims=True)
-  inlier = valid & (dist <= 4.0 * mean(dist, valid))
-  centre = mean(k, inlier)  # [B, 1 or Sk, Hkv, D]
+  dist = jnp.linalg.norm(kf - mean(kf, valid), axis=-1, keepdims=True)
+  return mean(kf, valid & (dist <= 4.0 * mean(dist, valid)))
 
-  dev = jnp.linalg.norm(k - centre, axis=-1)
-  dev = jnp.where(key_valid[..., None], dev, 0.0)  # [B, Sk, Hkv]
-  if causal:
-    radius = jax.lax.cummax(dev, axis=1)
-  elif segment_ids is None:
-    radius = jnp.broadcast_to(dev.max(1, keepdims=True), (batch, sq, hkv))
-  else:
-    radius = _per_segment(jax.ops.segment_max, dev, index)
 
-  qg = q.reshape(batch, sq, hkv, group, -1)
-  sigma2 = scale * LOG2E
-  q_dot_c = jnp.einsum("bshgd,bshd->bshg", qg, jnp.broadcast_to(centre, (batch, sq) + centre.shape[2:]),
-                       precision=jax.lax.Precision.HIGHEST)
-  q_norm = jnp.linalg.norm(qg, axis=-1)
-  upper = sigma2 * (q_dot_c + q_norm * radius[..., None])
-  if causal:
-    lower = sigma2 * jnp.einsum("bshgd,bshd->bshg", qg, k, precision=jax.lax.Precision.HIGHEST)
+def key_bounds(k, v, segment_ids, *, causal: bool, tau: float, block_q: int, seq_len: int) -> KeyBounds:
+  """The pre-pass over K and V (a few fused reductions, no cumulative scans).
+
+  k, v: [B, Sk, Hkv, D] with Sk a multiple of block_q; segment_ids: [B, Sk] or None;
+  seq_len: number of real positions (the rest is block padding).
+  """
+  k, v = jax.lax.stop_gradient((k, v))
+  kf = k.astype(jnp.float32)
+  batch, sk, hkv, _ = k.shape
+  if sk % block_q:
+    raise ValueError(f"{block_q=} must divide the padded key length {sk=}")
+  key_valid = masks.key_is_real(segment_ids, sk, seq_len)  # [B or 1, Sk]
+  index = None if segment_ids is None else _segment_index(segment_ids)
+
+  nb = sk // block_q
+  if index is None:
+    # Coordinate-wise median of the block means: one reduction over K, and a few outlier
+    # blocks (an attention sink) cannot move it, so rows that never see them stay tight.
+    valid = key_valid.reshape(-1, nb, block_q)[..., None, None]
+    blocks = kf.reshape(batch, nb, block_q, hkv, -1)
+    count = valid.sum(2)
+    block_mean = jnp.where(valid, blocks, 0.0).sum(2) / jnp.maximum(count, 1)  # [B, nb, Hkv, D]
+    centre = jnp.nanmedian(jnp.where(count > 0, block_mean, jnp.nan), axis=1, keepdims=True)
   else:
-    lower = sigma2 * q_dot_c
-  to_heads = lambda x: x.reshape(batch, sq, hq).transpose(0, 2, 1)
-  return to_heads(upper), to_heads(lower)
+    centre = _robust_segment_mean(kf, key_valid, index)
+  dev = jnp.where(key_valid[..., None], jnp.linalg.norm(kf - centre, axis=-1), 0.0)  # [B, Sk, Hkv]
+  per_block = dev.reshape(batch, nb, block_q, hkv).max(2).transpose(0, 2, 1)  # [B, Hkv, nb]
+  if causal:  # prefix max over blocks, as one masked reduction (nb is small)
+    sees = jnp.arange(nb)[:, None] >= jnp.arange(nb)[None, :]  # [tile, block]
+    radius = jnp.where(sees, per_block[:, :, None, :], 0.0).max(-1)
+  else:  # every tile sees every block
+    radius = per_block.max(-1, keepdims=True)
+
+  headroom, floor = headroom_and_floor(v, segment_ids=segment_ids, seq_len=seq_len)
+  return KeyBounds(centre=centre, radius=radius, headroom=headroom,
+                   threshold=jnp.minimum(tau * LOG2E, headroom + floor))
+
+
+def row_bounds(q, centre, radius, k_diag, *, sigma2: float):
+  """Base-2 bounds (U, L) of rows q [..., D] f32, shared by the XLA pre-pass and the kernels.
+
+  centre: [..., D] (broadcastable); radius: [...] the visible blocks' max ‖k − c‖;
+  k_diag: [..., D] f32, each row's own key (causal or packed), or None (bidirectional).
+  """
+  q_dot_c = jnp.sum(q * centre, axis=-1)
+  upper = sigma2 * (q_dot_c + jnp.sqrt(jnp.sum(q * q, axis=-1)) * radius)
+  lower = sigma2 * (q_dot_c if k_diag is None else jnp.sum(q * k_diag, axis=-1))
+  return upper, lower
+
+
+def stabilize(upper, lower, headroom, threshold, row_real):
+  """(M, row passes): M = max(L, U − h) (0 on padding rows), pass when U − L ≤ threshold."""
+  m = jnp.where(row_real, jnp.maximum(lower, upper - headroom), 0.0)
+  return m, (upper - lower <= threshold) | ~row_real
 
 
 def headroom_and_floor(v, *, segment_ids, seq_len: int):
@@ -168,27 +205,40 @@ def headroom_and_floor(v, *, segment_ids, seq_len: int):
 
 def certify(q, k, v, segment_ids, *, causal: bool, scale: float, tau: float, granularity: str,
             block_q: int, seq_len: int) -> Certificate:
-  """Runs the pre-pass: bounds, headroom, and the per-tile (or per-head) certificate.
+  """The whole pre-pass in XLA: `key_bounds`, then each row's bounds and the certificate."""
+  keys = key_bounds(k, v, segment_ids, causal=causal, tau=tau, block_q=block_q, seq_len=seq_len)
+  return certify_rows(q, k, segment_ids, keys, causal=causal, scale=scale, granularity=granularity,
+                      block_q=block_q, seq_len=seq_len)
 
-  Shapes as in `row_bounds`, with Sq a multiple of block_q. Not differentiated: the
-  stabilizer only shifts the softmax, which leaves its value and gradient unchanged.
+
+def certify_rows(q, k, segment_ids, keys: KeyBounds, *, causal: bool, scale: float, granularity: str,
+                 block_q: int, seq_len: int) -> Certificate:
+  """Row bounds and the per-tile (or per-head) certificate, in XLA, from `key_bounds`.
+
+  q: [B, Sq, Hq, D] with Sq a multiple of block_q; k: [B, Sk, Hkv, D]. Not differentiated:
+  the stabilizer only shifts the softmax, which leaves its value and gradient unchanged.
   """
-  q, k, v = jax.lax.stop_gradient((q, k, v))
-  batch, sq, hq, _ = q.shape
+  q, k = jax.lax.stop_gradient((q, k))
+  batch, sq, hq, d = q.shape
   hkv = k.shape[2]
+  group = hq // hkv
   if sq % block_q:
     raise ValueError(f"{block_q=} must divide the padded query length {sq=}")
-  upper, lower = row_bounds(q, k, segment_ids, causal=causal, scale=scale, seq_len=seq_len)
-  headroom, floor = headroom_and_floor(v, segment_ids=segment_ids, seq_len=seq_len)
-  headroom = jnp.repeat(headroom, hq // hkv, axis=1)  # [B, Hq]
-  threshold = jnp.minimum(tau * LOG2E, headroom + floor)
-
+  if granularity not in ("tile", "head"):
+    raise ValueError(f"{granularity=} must be 'tile' or 'head'")
+  qg = q.astype(jnp.float32).reshape(batch, sq, hkv, group, d)
+  centre = jnp.broadcast_to(keys.centre, (batch, sq, hkv, d))[:, :, :, None]
+  radius = jnp.broadcast_to(jnp.repeat(keys.radius, block_q, axis=-1) if causal else keys.radius,
+                            (batch, hkv, sq)).transpose(0, 2, 1)[..., None]  # [B, Sq, Hkv, 1]
+  k_diag = k.astype(jnp.float32)[:, :, :, None] if (causal or segment_ids is not None) else None
+  upper, lower = row_bounds(qg, centre, radius, k_diag, sigma2=scale * LOG2E)
+  to_heads = lambda x: x.reshape(batch, sq, hq).transpose(0, 2, 1)
+  upper, lower = to_heads(upper), to_heads(lower)
+  per_head = lambda x: jnp.repeat(x, group, axis=1)[..., None]  # [B, Hkv] -> [B, Hq, 1]
   row_real = masks.query_is_real(segment_ids, sq, seq_len)[:, None, :]  # [B, 1, Sq]
-  row_ok = (upper - lower <= threshold[..., None]) | ~row_real
+  m, row_ok = stabilize(upper, lower, per_head(keys.headroom), per_head(keys.threshold), row_real)
   certified = row_ok.reshape(batch, hq, sq // block_q, block_q).all(-1)
   if granularity == "head":
     certified = jnp.broadcast_to(certified.all(-1, keepdims=True), certified.shape)
-  elif granularity != "tile":
-    raise ValueError(f"{granularity=} must be 'tile' or 'head'")
-  m = jnp.where(row_real, jnp.maximum(lower, upper - headroom[..., None]), 0.0)
-  return Certificate(m=m, certified=certified, upper=upper, lower=lower, threshold=threshold)
+  return Certificate(m=m, certified=certified, upper=upper, lower=lower,
+                     threshold=jnp.repeat(keys.threshold, group, axis=1))

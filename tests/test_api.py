@@ -84,7 +84,7 @@ def test_stats_report_fractions_per_head():
 SMALL_TILES = {
     "reference": reference.BlockSizes(16, 16),
     "pallas_tpu": pallas_tpu.BlockSizes(16, 16, 16, 16, 16, 16),
-    "pallas_gpu": pallas_gpu.BlockSizes(block_q=16, block_k=16, block_q_dq=16, block_k_dq=16, block_q_dkv=16,
+    "pallas_gpu": pallas_gpu.BlockSizes(block_q=16, block_k=16, block_k_fixed=16, block_q_dq=16, block_k_dq=16, block_q_dkv=16,
                                         block_k_dkv=16),
 }
 

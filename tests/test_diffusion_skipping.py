@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import f64_reference as ref
-from clis_kernels import attention, diffusion, reference
+from clis_kernels import attention, diffusion, pallas_gpu, reference
 
 BS = reference.BlockSizes(block_q=16, block_k=16)
 
@@ -100,3 +100,55 @@ def test_state_shape_is_checked():
   q, k, v = local_inputs(0)
   with pytest.raises(ValueError, match="state.skip.shape"):
     diffusion.attention(q, k, v, diffusion.init_state(1, 3, 90, BS), thr=-10.0, block_sizes=BS)
+
+
+GPU_BS = pallas_gpu.BlockSizes(block_q=16, block_k=16, block_k_fixed=16, block_q_dq=16, block_k_dq=16,
+                               block_q_dkv=16, block_k_dkv=16, num_warps=4, num_stages=2)
+
+
+@pytest.mark.parametrize("stabilizer_name", ["clis", "online"])
+def test_skip_kernel_marks_like_the_reference_and_keeps_the_bound(stabilizer_name):
+  """The Triton skip kernel (interpret mode) forms the same marking statistic as the reference,
+  runs dense when nothing is marked, and stays within the promised bound when tiles are left out."""
+  q, k, v = local_inputs(5)
+  thr = -12.0
+  run = lambda impl, bs, state: diffusion.attention(q, k, v, state, thr=thr, block_sizes=bs, implementation=impl,
+                                                    interpret=impl == "pallas_gpu", stabilizer_name=stabilizer_name)
+  ref_out, ref_state, _ = run("reference", BS, diffusion.init_state(1, 2, 90, BS))
+  gpu_out, gpu_state, _ = run("pallas_gpu", GPU_BS, diffusion.init_state(1, 2, 90, GPU_BS))
+  np.testing.assert_array_equal(np.asarray(gpu_state.skip), np.asarray(ref_state.skip))
+  assert 0.1 < float(gpu_state.skip.mean()) < 0.9
+  want = ref.attention(q, k, v, jnp.zeros_like(q), causal=False)[0]
+  assert ref.rel_err(gpu_out, want) < 1e-5  # the marking call itself is dense
+  second, _, stats = run("pallas_gpu", GPU_BS, gpu_state)
+  assert float(stats.sparsity) == float(gpu_state.skip.mean())
+  skipped_per_row = np.repeat(np.asarray(gpu_state.skip).sum(-1), 16, axis=-1)[..., :90]
+  delta = skipped_per_row * 2.0 ** thr
+  err = np.abs(np.asarray(second, np.float64) - want).max(-1).transpose(0, 2, 1)
+  rounding = 2 * float(np.abs(np.asarray(gpu_out, np.float64) - want).max())  # f32 error of the dense call
+  assert np.all(err <= 2 * delta / (1 - delta) * float(jnp.abs(v).max()) + rounding)
+  assert not np.array_equal(np.asarray(second), np.asarray(gpu_out))  # tiles really were left out
+  ref_second, _, _ = run("reference", BS, ref_state)
+  assert ref.rel_err(second, ref_second) < 1e-5  # same tiles left out, same result
+
+
+def test_skip_kernel_without_marks_is_dense():
+  q, k, v = local_inputs(6, seq=70)
+  state = diffusion.init_state(1, 2, 70, GPU_BS)
+  out, state, _ = diffusion.attention(q, k, v, state, thr=-math.inf, block_sizes=GPU_BS, implementation="pallas_gpu",
+                                      interpret=True)
+  assert not bool(state.skip.any())
+  want = ref.attention(q, k, v, jnp.zeros_like(q), causal=False)[0]
+  assert ref.rel_err(out, want) < 1e-5  # f32 forward tolerance of the shared test base
+
+
+@pytest.mark.parametrize("track", [True, False])
+def test_skip_kernel_lowers_for_the_gpu(track):
+  """The list-driven loop (scalar loads of tile indices) lowers through Triton for an H200, on the CPU."""
+  from test_api import _lower_for_h200
+  q = jax.ShapeDtypeStruct((1, 300, 4, 128), jnp.bfloat16)
+  bs = pallas_gpu.default_block_sizes(128, 300, jnp.bfloat16)
+  state = diffusion.init_state(1, 4, 300, bs)
+  fn = lambda q, k, v, s: diffusion.attention(q, k, v, s, thr=-10.0 if track else -math.inf, block_sizes=bs,
+                                              implementation="pallas_gpu")[0]
+  assert "clis_skip_fwd" in _lower_for_h200(fn, q, q, q, state)

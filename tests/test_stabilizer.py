@@ -139,9 +139,9 @@ def test_forcing_past_the_floor_loses_accuracy_where_the_certificate_refuses():
   forced = Certificate(m=real.upper, certified=jnp.ones_like(real.certified), upper=real.upper, lower=real.lower,
                        threshold=real.threshold)
   kw = dict(causal=False, scale=scale, kv_len=None, block_sizes=bs)
-  forced_out, _ = reference.forward(q, k, v, None, forced, **kw)
-  online_out, _ = reference.forward(q, k, v, None, None, **kw)
-  real_out, _ = reference.forward(q, k, v, None, real, **kw)
+  forced_out = reference.forward(q, k, v, None, forced, **kw)[0]
+  online_out = reference.forward(q, k, v, None, None, **kw)[0]
+  real_out = reference.forward(q, k, v, None, real, **kw)[0]
   online_err = ref.rel_err(online_out, want)
   assert ref.rel_err(real_out, want) == online_err  # refused: it ran the online path
   assert ref.rel_err(forced_out, want) > 10 * online_err  # and refusing was right

@@ -1,22 +1,26 @@
 """Temporal tile skipping (after LiteAttention) for bidirectional CLiS attention across denoising steps.
 
 A (q tile, kv tile) pair whose weight is negligible for every row of the q tile at one call
-is marked, and left out (QK, exp and PV) at later calls of the same layer; marks only
-accumulate (a skipped tile never comes back) until the caller starts from a fresh state,
-which also recovers a dense step at any time. The state is an explicit pytree per layer that
-the sampler threads through; nothing is global.
+is marked, and left out (QK, exp and PV: the kernel never loads it) at later calls of the same
+layer; marks only accumulate (a skipped tile never comes back) until the caller starts from a
+fresh state, which also recovers a dense step at any time. The state is an explicit pytree per
+layer that the sampler threads through; nothing is global.
 
 Marking rule, sound at the call that marks. Row i's weight on kv tile u is
-    w_iu = Σ_{j∈u} 2^(t_ij − lse_i) ≤ block_k · 2^(max_{j∈u} t_ij − lse_i)          (base 2)
-and a tile is marked when that bound is below 2^thr for every real row of the q tile (thr in
-log2 units; thr = −inf marks nothing). With the fixed CLiS stabilizer M_i, the kernel can form
-max_{j∈u} t_ij − lse_i = (max_{j∈u} t_ij − M_i) − log2 l_i from quantities it already has.
+    w_iu = Σ_{j∈u} 2^(t_ij − lse_i) ≤ block_k · 2^(max_{j∈u} t_ij − lse_i)          (base 2).
+A kernel with a fixed stabilizer has no running max, so it bounds the exponent with what it
+has: with m_iu the stabilizer in force after tile u (CLiS: the fixed M_i; online: the running
+max, never above the final one) and l_i the final sum in the final stabilizer's units,
+    max_{j∈u} t_ij − lse_i ≤ (max_{j∈u} t_ij − m_iu) − log2 l_i ≤ gap_u − log2_l,
+gap_u = max over the tile's real rows of the first term, log2_l = min over them of log2 l_i.
+A tile is marked when gap_u − log2_l + log2 block_k < thr (thr in log2 units; −inf marks
+nothing): then every row's weight on it is < 2^thr. Both paths (reference, pallas_gpu) form
+exactly these two per-tile numbers.
 Guarantee: if row i leaves out tiles of total weight δ_i = Σ w_iu (weights of the inputs of
 that call), its output moves by at most δ_i / (1 − δ_i) · max_j ‖v_j − o_i‖∞ ≤ 2·δ_i/(1 − δ_i)·max|v|,
 and δ_i < (number of skipped tiles)·2^thr. At later calls the inputs have moved on; that the
 weights stay small there is LiteAttention's observation (temporal coherence), not a theorem,
 so `SkipStats` reports what was skipped and callers measure the error (bench_diffusion).
-This module is the reference path (pure JAX); the Pallas kernels do not read skip lists yet.
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from clis_kernels import api, masks, reference, stabilizer
+from clis_kernels import api, masks, pallas_gpu, reference, stabilizer
+from clis_kernels.diffusion import pallas_gpu_skip
+from clis_kernels.stabilizer import NEG
 
 
 @jax.tree_util.register_dataclass
@@ -50,11 +56,18 @@ class SkipStats:
   max_skipped_weight: jax.Array
 
 
-def init_state(batch: int, heads: int, seq_len: int, block_sizes: reference.BlockSizes) -> SkipState:
+def tiles(block_sizes) -> tuple[int, int]:
+  """(block_q, block_k) of the skip grid: the kernel's q tile and the step of its kv loop."""
+  if isinstance(block_sizes, pallas_gpu.BlockSizes):
+    return block_sizes.block_q, block_sizes.block_k_fixed
+  return block_sizes.block_q, block_sizes.block_k
+
+
+def init_state(batch: int, heads: int, seq_len: int, block_sizes) -> SkipState:
   """A state with nothing skipped: the next call is dense."""
-  nq = -(-seq_len // block_sizes.multiple) * block_sizes.multiple // block_sizes.block_q
-  nk = nq * block_sizes.block_q // block_sizes.block_k
-  return SkipState(jnp.zeros((batch, heads, nq, nk), bool), jnp.zeros((), jnp.int32))
+  bq, bk = tiles(block_sizes)
+  padded = -(-seq_len // block_sizes.multiple) * block_sizes.multiple
+  return SkipState(jnp.zeros((batch, heads, padded // bq, padded // bk), bool), jnp.zeros((), jnp.int32))
 
 
 def threshold_schedule(step: int, *, num_steps: int, dense_steps: int, thr_early: float = -20.0,
@@ -67,36 +80,61 @@ def threshold_schedule(step: int, *, num_steps: int, dense_steps: int, thr_early
   return thr_early + (thr_late - thr_early) * frac
 
 
-def attention(q, k, v, state: SkipState, *, thr: float, scale: float | None = None,
-              block_sizes: reference.BlockSizes | None = None, stabilizer_name: str = "clis", tau: float = 64.0):
+def attention(q, k, v, state: SkipState, *, thr, scale: float | None = None, block_sizes=None,
+              stabilizer_name: str = "clis", tau: float = 64.0, implementation: str = "reference",
+              interpret: bool = False):
   """Bidirectional attention that leaves out the tiles `state` marks and marks new ones.
 
-  q [B, S, H, D], k/v [B, Sk, Hkv, D]. Returns (out like q, new SkipState, SkipStats).
+  q [B, S, H, D], k/v [B, Sk, Hkv, D]. thr: log2 threshold, a float (−inf: mark nothing, and
+  skip the marking work) or a traced scalar (a schedule under one jit; marks when finite).
+  implementation: "reference" (pure JAX) or "pallas_gpu" (the Triton skip kernel;
+  interpret=True runs it on the CPU). block_sizes: that backend's.
+  Returns (out like q, new SkipState, SkipStats).
   """
   api._validate(q, k, v, None, False, stabilizer_name, "tile", tau)
+  if implementation not in ("reference", "pallas_gpu"):
+    raise ValueError(f"{implementation=} must be 'reference' or 'pallas_gpu' for skipping")
+  backend = reference if implementation == "reference" else pallas_gpu
   scale = float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-  bs = block_sizes or reference.default_block_sizes(q.shape[-1], max(q.shape[1], k.shape[1]), q.dtype)
+  bs = block_sizes or backend.default_block_sizes(q.shape[-1], max(q.shape[1], k.shape[1]), q.dtype)
+  if not isinstance(bs, backend.BlockSizes):
+    raise ValueError(f"block_sizes must be {backend.__name__}.BlockSizes for {implementation=}")
+  bq, bk = tiles(bs)
   seq_len, kv_seq_len = q.shape[1], k.shape[1]
   qp, kp, vp = (api._pad_seq(x, bs.multiple) for x in (q, k, v))
   kv_len = kv_seq_len if kp.shape[1] != kv_seq_len else None
-  nq, nk = qp.shape[1] // bs.block_q, kp.shape[1] // bs.block_k
+  nq, nk = qp.shape[1] // bq, kp.shape[1] // bk
   if state.skip.shape != (q.shape[0], q.shape[2], nq, nk):
     raise ValueError(f"state.skip.shape={state.skip.shape} must be {(q.shape[0], q.shape[2], nq, nk)} for these "
                      "inputs and block sizes; make it with init_state(...)")
-  cert = None
+  keys = None
   if stabilizer_name == "clis":
-    cert = stabilizer.certify(qp, kp, vp, None, causal=False, scale=scale, tau=tau, granularity="tile",
-                              block_q=bs.block_q, seq_len=kv_seq_len)
-  out, lse, tile_max = reference.forward_with_tiles(qp, kp, vp, None, cert, causal=False, scale=scale,
-                                                    kv_len=kv_len, block_sizes=bs, tile_skip=state.skip,
-                                                    tile_max=True)
-  # Bound on each row's weight per kv tile, log2: max_j t_ij − lse_i + log2(block_k); skipped tiles count as -inf.
-  bound = tile_max - lse[..., None] + math.log2(bs.block_k)  # [B, H, S, nk]
-  real_rows = masks.query_is_real(None, qp.shape[1], seq_len)[0]
-  bound = jnp.where(real_rows[None, None, :, None], bound, -jnp.inf)
-  per_tile = bound.reshape(bound.shape[0], bound.shape[1], nq, bs.block_q, nk).max(axis=3)
-  new_marks = (per_tile < thr) & ~state.skip
-  skip = state.skip | new_marks
+    keys = stabilizer.key_bounds(kp, vp, None, causal=False, tau=tau, block_q=bq, seq_len=kv_seq_len)
+  track = not isinstance(thr, (int, float)) or thr > -math.inf
+
+  if implementation == "reference":
+    cert = None if keys is None else stabilizer.certify_rows(qp, kp, None, keys, causal=False, scale=scale,
+                                                              granularity="tile", block_q=bq, seq_len=seq_len)
+    out, _, (gap_rows, log2_l_rows) = reference.forward_with_tiles(
+        qp, kp, vp, None, cert, causal=False, scale=scale, kv_len=kv_len, block_sizes=bs, tile_skip=state.skip,
+        tile_gap=True)
+    real = masks.query_is_real(None, qp.shape[1], seq_len)[0][None, None, :]
+    per_tile = lambda x: x.reshape(x.shape[0], x.shape[1], nq, bq, *x.shape[3:])
+    gap = per_tile(jnp.where(real[..., None], gap_rows, NEG)).max(axis=3)
+    log2_l = per_tile(jnp.where(real, log2_l_rows, jnp.inf)).min(axis=3)
+  else:
+    nk_pad = max(16, 1 << (nk - 1).bit_length())
+    visit = jnp.argsort(state.skip, axis=-1, stable=True).astype(jnp.int32)  # kept tiles first, in order
+    visit = jnp.pad(visit, [(0, 0)] * 3 + [(0, nk_pad - nk)])
+    count = (~state.skip).sum(-1).astype(jnp.int32)
+    out, _, _, gap, log2_l = pallas_gpu_skip.forward(qp, kp, vp, visit, count, keys, scale=scale, kv_len=kv_len,
+                                                     seq_len=seq_len, block_sizes=bs, track=track,
+                                                     interpret=interpret)
+    gap = gap[..., :nk]
+
+  new_marks = jnp.zeros_like(state.skip)
+  if track:
+    new_marks = (gap - log2_l[..., None] + math.log2(bk) < thr) & ~state.skip
   stats = SkipStats(sparsity=state.skip.mean(), new_marks=new_marks,
-                    max_skipped_weight=jnp.asarray(2.0 ** thr if thr > -math.inf else 0.0, jnp.float32))
-  return out[:, :seq_len], SkipState(skip, state.calls + 1), stats
+                    max_skipped_weight=jnp.exp2(jnp.asarray(thr, jnp.float32)))
+  return out[:, :seq_len], SkipState(state.skip | new_marks, state.calls + 1), stats

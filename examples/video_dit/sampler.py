@@ -1,0 +1,82 @@
+"""Attention backends for the example DiT, and the flow-matching Euler sampler.
+
+`make_attend(name)` gives the model's self-attention: "xla" (dense jax.nn), "cudnn", "online"
+and "clis" (clis_kernels.attention, bidirectional), and "clis_skip" / "online_skip"
+(kernels/diffusion temporal tile skipping, one SkipState per layer threaded by the sampler,
+thr per step from `diffusion.threshold_schedule`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+
+from clis_kernels import attention as clis_attention
+from clis_kernels import diffusion, pallas_gpu, reference
+from examples.video_dit.model import DiTConfig, VideoDiT
+
+BACKENDS = ("xla", "cudnn", "online", "clis", "online_skip", "clis_skip")
+
+
+def skip_implementation() -> tuple[str, object]:
+  """(implementation, block sizes) of the skip path on this platform: the Triton kernel on GPUs."""
+  if jax.devices()[0].platform == "gpu":
+    return "pallas_gpu", None
+  return "reference", reference.BlockSizes(block_q=64, block_k=64)
+
+
+def make_attend(name: str, thr=None):
+  """attend(q, k, v, state) -> (out, state, sparsity or None); thr is traced for the skip backends."""
+  if name not in BACKENDS:
+    raise ValueError(f"attention={name!r} must be one of {BACKENDS}")
+  if name in ("xla", "cudnn"):
+    return lambda q, k, v, state: (jax.nn.dot_product_attention(q, k, v, implementation=name), state, None)
+  if name in ("online", "clis"):
+    return lambda q, k, v, state: (clis_attention(q, k, v, causal=False, stabilizer=name), state, None)
+  impl, bs = skip_implementation()
+
+  def attend(q, k, v, state):
+    out, state, stats = diffusion.attention(q, k, v, state, thr=thr, implementation=impl, block_sizes=bs,
+                                            stabilizer_name=name.removesuffix("_skip"))
+    return out, state, stats.sparsity
+  return attend
+
+
+def init_skip_states(cfg: DiTConfig, batch: int):
+  impl, bs = skip_implementation()
+  bs = bs or pallas_gpu.default_block_sizes(cfg.head_dim, cfg.tokens, jnp.dtype(cfg.dtype))
+  return [diffusion.init_state(batch, cfg.heads, cfg.tokens, bs) for _ in range(cfg.layers)]
+
+
+@functools.lru_cache(maxsize=None)
+def _step_fn(cfg: DiTConfig, name: str, track: bool):
+  def step(params, x, t, dt, condition, states, thr):
+    model = VideoDiT(cfg, make_attend(name, thr if track else -math.inf))
+    velocity, states, aux = model.apply({"params": params}, x, jnp.full((x.shape[0],), t), condition, states)
+    return x - dt * velocity, states, aux
+  return jax.jit(step)
+
+
+def sample(params, cfg: DiTConfig, noise, condition, *, attention: str, steps: int = 20, dense_steps: int = 4,
+           thr_early: float = -14.0, thr_late: float = -8.0, timing: bool = False):
+  """Euler from t=1 (noise) to t=0. Returns (video, per-step records: t, thr, sparsity, ms)."""
+  skip = attention.endswith("_skip")
+  states = init_skip_states(cfg, noise.shape[0]) if skip else None
+  x, records = noise, []
+  ts = jnp.linspace(1.0, 0.0, steps + 1)
+  for i in range(steps):
+    thr = diffusion.threshold_schedule(i, num_steps=steps, dense_steps=dense_steps, thr_early=thr_early,
+                                       thr_late=thr_late) if skip else -math.inf
+    fn = _step_fn(cfg, attention, skip and thr > -math.inf)
+    args = (params, x, ts[i], ts[i] - ts[i + 1], condition, states, jnp.float32(max(thr, -1e4)))
+    t0 = time.perf_counter()
+    x, states, aux = fn(*args)
+    x = jax.block_until_ready(x)
+    ms = (time.perf_counter() - t0) * 1e3
+    sparsity = float(jnp.mean(jnp.stack(aux))) if skip else 0.0
+    records.append(dict(step=i, t=float(ts[i]), thr=thr, sparsity=sparsity, ms=ms if timing else None))
+  return x, records, states

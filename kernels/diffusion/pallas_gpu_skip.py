@@ -1,0 +1,144 @@
+"""Bidirectional CLiS forward (Triton) that visits only the kv tiles of a per-tile list.
+
+Grid (q_block, batch, head), as kernels/pallas_gpu.py. Each program reads its row of
+`visit` [B, H, nq, nk_pad] (kv tile indices to visit, kept tiles first, in order) and
+`count` [B, H, nq], and loops over the first `count` entries: a skipped tile is never
+loaded, so the time saved tracks the fraction skipped. The certificate is computed in the
+prologue from KeyBounds (stabilizer.row_bounds), as in the main kernel.
+
+With `track`, each visited tile also yields the marking statistic of skipping.py:
+  gap[u]  = max over real rows of (max_{j∈u} t_ij − m_i)   (m: fixed M, or the running max
+            after the tile on the online path; never above the final stabilizer)
+  log2_l  = min over real rows of log2 l_i                 (l in the final stabilizer's units)
+so that max_{j∈u} t_ij − lse_i ≤ gap[u] − log2_l for every real row. Only tracking calls
+pay for the row max; other calls run the plain certified loop.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from clis_kernels import masks
+from clis_kernels.common import dot_precision
+from clis_kernels.pallas_gpu import SUM_COLUMNS, BlockSizes
+from clis_kernels.stabilizer import EMPTY_LSE, LOG2E, NEG, KeyBounds, row_bounds, stabilize
+
+
+def _kernel(q_ref, k_ref, v_ref, visit_ref, count_ref, *refs, certify: bool, track: bool, sigma2: float,
+            block_q: int, block_k: int, kv_len: int | None, seq_len: int, precision):
+  if certify:
+    centre_ref, radius_ref, headroom_ref, threshold_ref = refs[:4]
+    refs = refs[4:]
+  o_ref, lse_ref, tiles_ref, gap_ref, log2_l_ref = refs
+  q_block = pl.program_id(0)
+  q = q_ref[...]
+  q_pos = q_block * block_q + jnp.arange(block_q)
+  row_real = q_pos < seq_len
+  count = jnp.sum(count_ref[...])
+  num_slots = visit_ref.shape[0]
+
+  def body(slot, carry, fixed):
+    acc, m, l, gap = carry
+    u = jnp.sum(visit_ref[pl.ds(slot, 1)])  # the kv tile this step visits
+    k = k_ref[pl.ds(u * block_k, block_k), :]
+    s = plgpu.dot(q, k, trans_b=True, precision=precision) * sigma2
+    mask = masks.visible(q_pos, u * block_k + jnp.arange(block_k), None, None, causal=False, kv_len=kv_len)
+    if mask is not None:
+      s = jnp.where(mask, s, NEG)
+    if fixed:
+      m_new, alpha = m, None
+    else:
+      m_new = jnp.maximum(m, s.max(axis=1))
+      alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(s - m_new[:, None])
+    v = v_ref[pl.ds(u * block_k, block_k), :]
+    if fixed:  # weights summed as rounded to v's dtype, on the tensor cores (as in the main kernel)
+      p = p.astype(v.dtype)
+      l = l + plgpu.dot(p, jnp.ones((block_k, SUM_COLUMNS), v.dtype), precision=precision)
+      acc = acc + plgpu.dot(p, v, precision=precision)
+    else:
+      l = l * alpha + p.sum(axis=1)
+      acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision)
+    if track:
+      tile_gap = jnp.max(jnp.where(row_real, s.max(axis=1) - m_new, NEG))
+      gap = jnp.where(jnp.arange(num_slots) == u, tile_gap, gap)
+    return acc, m_new, l, gap
+
+  def run(fixed, m0):
+    l0 = jnp.zeros((block_q, SUM_COLUMNS) if fixed else (block_q,), jnp.float32)
+    carry = (jnp.zeros(o_ref.shape, jnp.float32), m0, l0, jnp.full((num_slots,), NEG, jnp.float32))
+    acc, m, l, gap = lax.fori_loop(0, count, functools.partial(body, fixed=fixed), carry)
+    return acc, m, (l.sum(axis=1) * (1.0 / SUM_COLUMNS) if fixed else l), gap
+
+  online = lambda: run(False, jnp.full((block_q,), NEG, jnp.float32))
+  if certify:
+    upper, lower = row_bounds(q.astype(jnp.float32), centre_ref[...].astype(jnp.float32)[None, :], radius_ref[...],
+                              None, sigma2=sigma2)
+    m0, row_ok = stabilize(upper, lower, headroom_ref[...], threshold_ref[...], row_real)
+    certified = jnp.sum((~row_ok).astype(jnp.int32)) == 0
+    acc, m, l, gap = lax.cond(certified, lambda: run(True, m0), online)
+  else:
+    certified = jnp.bool_(False)
+    acc, m, l, gap = online()
+
+  empty = (l == 0.0) | (m == NEG)
+  l_safe = jnp.where(empty, 1.0, l)
+  o_ref[...] = jnp.where(empty[:, None], 0.0, acc / l_safe[:, None]).astype(o_ref.dtype)
+  lse_ref[...] = jnp.where(empty, EMPTY_LSE, m + jnp.log2(l_safe))
+  tiles_ref[...] = jnp.broadcast_to(certified.astype(jnp.int32), (1,))
+  gap_ref[...] = gap
+  log2_l_ref[...] = jnp.broadcast_to(jnp.min(jnp.where(row_real & ~empty, jnp.log2(l_safe), jnp.inf)), (1,))
+
+
+def forward(q, k, v, visit, count, keys: KeyBounds | None, *, scale: float, kv_len: int | None, seq_len: int,
+            block_sizes: BlockSizes, track: bool, interpret: bool = False):
+  """Bidirectional attention over listed kv tiles (tile = block_q × block_k_fixed).
+
+  q [B, S, H, D], k/v [B, Sk, Hkv, D] (padded to whole tiles); visit [B, H, nq, nk_pad] int32
+  with nk_pad a power of two ≥ nk; count [B, H, nq] int32. keys: the CLiS pre-pass, or None
+  for the online softmax. Returns (o, lse [B, H, S], certified [B, H, nq] bool,
+  gap [B, H, nq, nk_pad] f32 (NEG where not visited or not tracked), log2_l [B, H, nq] f32).
+  """
+  batch, seq, heads, head_dim = q.shape
+  group = heads // k.shape[2]
+  bq, bk = block_sizes.block_q, block_sizes.block_k_fixed
+  nq, nk_pad = seq // bq, visit.shape[-1]
+  qmap = lambda i, b, h: (b, i, h, 0)
+  tile = lambda i, b, h: (b, h, i)
+  kv_head = lambda i, b, h: (b, h // group, 0)
+  in_specs = [pl.BlockSpec((None, bq, None, head_dim), qmap),
+              pl.BlockSpec((None, k.shape[1], None, head_dim), lambda i, b, h: (b, 0, h // group, 0)),
+              pl.BlockSpec((None, k.shape[1], None, head_dim), lambda i, b, h: (b, 0, h // group, 0)),
+              pl.BlockSpec((None, None, None, nk_pad), lambda i, b, h: (b, h, i, 0)),
+              pl.BlockSpec((None, None, 1), tile)]
+  args = [q, k, v, visit, count]
+  if keys is not None:
+    if keys.centre.shape[1] != 1 or keys.radius.shape[-1] != 1:
+      raise ValueError("the skip kernel takes the bidirectional, unpacked KeyBounds (one centre and radius per head)")
+    in_specs += [pl.BlockSpec((None, None, None, head_dim), lambda i, b, h: (b, 0, h // group, 0))]
+    in_specs += [pl.BlockSpec((None, None, 1), kv_head)] * 3
+    args += [keys.centre, keys.radius, keys.headroom[..., None], keys.threshold[..., None]]
+  kernel = functools.partial(_kernel, certify=keys is not None, track=track, sigma2=scale * LOG2E, block_q=bq,
+                             block_k=bk, kv_len=kv_len, seq_len=seq_len, precision=dot_precision(q.dtype))
+  o, lse, tiles, gap, log2_l = pl.pallas_call(
+      kernel,
+      grid=(nq, batch, heads),
+      in_specs=in_specs,
+      out_specs=[pl.BlockSpec((None, bq, None, head_dim), qmap), pl.BlockSpec((None, None, bq), tile),
+                 pl.BlockSpec((None, None, 1), tile), pl.BlockSpec((None, None, None, nk_pad), lambda i, b, h: (b, h, i, 0)),
+                 pl.BlockSpec((None, None, 1), tile)],
+      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, heads, seq), jnp.float32),
+                 jax.ShapeDtypeStruct((batch, heads, nq), jnp.int32),
+                 jax.ShapeDtypeStruct((batch, heads, nq, nk_pad), jnp.float32),
+                 jax.ShapeDtypeStruct((batch, heads, nq), jnp.float32)],
+      compiler_params=plgpu.CompilerParams(num_warps=block_sizes.num_warps, num_stages=block_sizes.num_stages),
+      interpret=interpret,
+      name="clis_skip_fwd" if keys is not None else "online_skip_fwd",
+  )(*args)
+  return o, lse, tiles != 0, gap, log2_l
