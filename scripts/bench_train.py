@@ -32,7 +32,7 @@ def main():
   parser.add_argument("--warmup", type=int, default=2)
   parser.add_argument("--steps", type=int, default=6)
   parser.add_argument("--out", default=None, help="JSON path (.md table and .png plot beside it)")
-  args = parser.parse_args()
+  args = parser.parse_intermixed_args()
   trainers, states, batches = {}, {}, {}
   for name in args.attentions:
     cfg = load_config(args.recipe, [*args.overrides, f"attention={name}", "train.progress_bar=false"])

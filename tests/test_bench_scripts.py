@@ -40,3 +40,18 @@ def test_bench_train_tiny(tmp_path):
   for r in records:
     assert REQUIRED <= set(r) and r["pass"] == "train_step" and r["tokens_per_s"] > 0
   assert records[0]["certified_fraction"] == 1.0
+
+
+def test_bench_diffusion_quick(tmp_path):
+  out = tmp_path / "diffusion.json"
+  _run("scripts/bench_diffusion.py", "--quick", "--out", str(out))
+  records = json.loads(out.read_text())
+  assert {r["impl"] for r in records} == {"xla", "clis", "clis_skip[-6:-2]"}
+  for r in records:
+    assert {"step_ms", "attention_ms", "mean_sparsity", "psnr_db", "ssim", "per_step", "device", "date"} <= set(r)
+    assert len(r["per_step"]) == r["steps"] and all(s["attention_ms"] > 0 for s in r["per_step"])
+  clis = next(r for r in records if r["impl"] == "clis")
+  assert clis["psnr_db"] > 40 and clis["ssim"] > 0.99  # CLiS matches dense XLA on the same noise
+  for suffix in (".md", ".png"):
+    assert out.with_suffix(suffix).exists()
+  assert (tmp_path / "diffusion_strip.png").exists()

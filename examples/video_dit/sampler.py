@@ -62,21 +62,24 @@ def _step_fn(cfg: DiTConfig, name: str, track: bool):
 
 
 def sample(params, cfg: DiTConfig, noise, condition, *, attention: str, steps: int = 20, dense_steps: int = 4,
-           thr_early: float = -14.0, thr_late: float = -8.0, timing: bool = False):
-  """Euler from t=1 (noise) to t=0. Returns (video, per-step records: t, thr, sparsity, ms)."""
+           thr_early: float = -14.0, thr_late: float = -8.0, timing: bool = False, keep_states: bool = False):
+  """Euler from t=1 (noise) to t=0. Returns (video, per-step records: t, thr, sparsity, ms, and
+  the skip states each step ran with (a list per step; None entries without skipping) when
+  keep_states, else the final states)."""
   skip = attention.endswith("_skip")
   states = init_skip_states(cfg, noise.shape[0]) if skip else None
-  x, records = noise, []
+  x, records, history = noise, [], []
   ts = jnp.linspace(1.0, 0.0, steps + 1)
   for i in range(steps):
     thr = diffusion.threshold_schedule(i, num_steps=steps, dense_steps=dense_steps, thr_early=thr_early,
                                        thr_late=thr_late) if skip else -math.inf
     fn = _step_fn(cfg, attention, skip and thr > -math.inf)
     args = (params, x, ts[i], ts[i] - ts[i + 1], condition, states, jnp.float32(max(thr, -1e4)))
+    history.append(states)
     t0 = time.perf_counter()
     x, states, aux = fn(*args)
     x = jax.block_until_ready(x)
     ms = (time.perf_counter() - t0) * 1e3
     sparsity = float(jnp.mean(jnp.stack(aux))) if skip else 0.0
     records.append(dict(step=i, t=float(ts[i]), thr=thr, sparsity=sparsity, ms=ms if timing else None))
-  return x, records, states
+  return x, records, (history if keep_states else states)
