@@ -1,3 +1,3 @@
-"""clis-train: MaxText-style training with CLiS attention (the trainer lands with the training-library issue)."""
+"""clis-train: MaxText-style training with CLiS attention (config, model, data, train loop, CLI, integrations)."""
 
 __version__ = "0.1.0"

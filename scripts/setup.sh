@@ -18,7 +18,7 @@ if [ ! -x .venv/bin/python ]; then
   "$(find_python)" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -c constraints.txt -e ".[test,bench]"
+.venv/bin/python -m pip install -q -c constraints.txt -e ".[test,bench,maxtext]"
 .venv/bin/python -c "import jax, clis_kernels, clis_train; print('setup ok: jax', jax.__version__)"
 
 find_python311() {

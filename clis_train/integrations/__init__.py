@@ -1,0 +1,1 @@
+"""Adapters that put CLiS attention into other training stacks (MaxText)."""

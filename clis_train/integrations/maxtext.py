@@ -1,0 +1,112 @@
+"""`attention=clis` inside MaxText itself, without forking it.
+
+    from clis_train.integrations import maxtext as clis_maxtext
+    clis_maxtext.install()   # then run MaxText as usual with attention=clis (or clis_online)
+
+`install()` wraps `maxtext.layers.attention_op.AttentionOp.apply_attention` once: for
+`attention_kernel` "clis" / "clis_online" it calls `clis_kernels.attention` (Triton on
+NVIDIA GPUs, Mosaic on TPUs) and returns what MaxText's flash paths return; every other
+value goes to MaxText's own code unchanged. MaxText's decoder segment ids are passed as
+packed segments (never a dense [B, 1, S, S] mask), its [batch, length, heads, head_dim]
+layout and GQA heads go through as they are, and its query arrives pre-scaled (scale 1,
+as MaxText's GPU flash path passes). On a mesh of several devices the kernel runs under
+`jax.shard_map` with MaxText's own logical-axis rules for batch and heads. Modes whose
+numerics we do not implement fail with one clear error instead of silently changing them.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from clis_kernels import attention as clis_attention
+
+KERNELS = {"clis": "clis", "clis_online": "online"}  # MaxText attention value -> our stabilizer
+
+
+def _unsupported(op, key, model_mode, kw) -> str | None:
+  """Why this call cannot run on CLiS, or None."""
+  from maxtext.common.common_types import MODEL_MODE_AUTOREGRESSIVE, AttentionType
+  from maxtext.inference.kvcache import KVTensor
+
+  if model_mode == MODEL_MODE_AUTOREGRESSIVE:
+    return "autoregressive decoding (use attention=dot_product for decode; clis serves training and prefill)"
+  if op.attention_type not in (AttentionType.GLOBAL, AttentionType.FULL):
+    return f"attention_type={op.attention_type.value} (clis supports global causal and full bidirectional attention)"
+  checks = {
+      "sinks": kw.get("sinks") is not None,
+      "attn_logits_soft_cap": getattr(op, "attn_logits_soft_cap", None) not in (None, 0.0),
+      "record_max_logits": bool(kw.get("record_max_logits")),
+      "use_ragged_attention": bool(kw.get("use_ragged_attention")),
+      "previous_chunk (chunked prefill)": kw.get("previous_chunk") is not None,
+      "bidirectional_mask": kw.get("bidirectional_mask") is not None,
+      "indexer_mask": kw.get("indexer_mask") is not None,
+      "compressed_mask": kw.get("compressed_mask") is not None,
+      "decoder_segment_ids_kv": kw.get("decoder_segment_ids_kv") is not None,
+      "quantized KV (KVTensor)": isinstance(key, KVTensor),
+      "dropout_rate > 0": getattr(op, "dropout_rate", 0.0) > 0.0,
+  }
+  bad = [name for name, present in checks.items() if present]
+  return None if not bad else ", ".join(bad)
+
+
+def _attend(op, query, key, value, segment_ids, stabilizer: str):
+  """clis_kernels.attention on MaxText's [B, S, H, D] tensors, under shard_map on a multi-device mesh."""
+  from maxtext.common.common_types import BATCH_ATTN, D_KV, HEAD, LENGTH, AttentionType
+
+  causal = op.attention_type == AttentionType.GLOBAL
+
+  def local(q, k, v, seg):
+    return clis_attention(q, k, v, seg, causal=causal, scale=1.0, stabilizer=stabilizer)
+
+  mesh = op.mesh
+  if mesh is None or mesh.size == 1:
+    return local(query, key, value, segment_ids)
+  qkv = P(*op._logical_to_mesh_axes((BATCH_ATTN, LENGTH, HEAD, D_KV)))
+  shards = lambda spec: math.prod(mesh.shape[a] for a in (() if spec is None else spec if isinstance(spec, tuple)
+                                                           else (spec,)))
+  if shards(qkv[1]) > 1:
+    raise ValueError(f"attention=clis needs whole sequences per device, but MaxText's rules shard the length over "
+                     f"{qkv[1]!r} (context parallelism); use attention=flash for context-parallel runs")
+  head_shards = shards(qkv[2])
+  if key.shape[2] % head_shards:
+    raise ValueError(f"attention=clis shards kv heads over {qkv[2]!r}: num_kv_heads={key.shape[2]} must be a "
+                     f"multiple of {head_shards}")
+  seg_spec = P(qkv[0], None)
+  if segment_ids is None:
+    fn = jax.shard_map(lambda q, k, v: local(q, k, v, None), mesh=mesh, in_specs=(qkv,) * 3, out_specs=qkv)
+    return fn(query, key, value)
+  fn = jax.shard_map(local, mesh=mesh, in_specs=(qkv, qkv, qkv, seg_spec), out_specs=qkv)
+  return fn(query, key, value, segment_ids)
+
+
+def install() -> None:
+  """Makes MaxText's AttentionOp dispatch attention=clis|clis_online to clis_kernels (idempotent)."""
+  from maxtext.layers import attention_op
+
+  cls = attention_op.AttentionOp
+  if getattr(cls.apply_attention, "_clis_installed", False):
+    return
+  original = cls.apply_attention
+
+  @functools.wraps(original)
+  def apply_attention(self, query, key, value, decoder_segment_ids, segment_positions, lengths, model_mode,
+                      *args, **kwargs):
+    if self.attention_kernel not in KERNELS:
+      return original(self, query, key, value, decoder_segment_ids, segment_positions, lengths, model_mode, *args,
+                      **kwargs)
+    if args:
+      raise TypeError("clis_train.integrations.maxtext: pass apply_attention's optional arguments by keyword, as "
+                      "MaxText's AttentionOp.__call__ does")
+    reason = _unsupported(self, key, model_mode, kwargs)
+    if reason is not None:
+      raise NotImplementedError(f"attention={self.attention_kernel} does not support {reason}")
+    self.check_attention_inputs(query, key, value)
+    out = _attend(self, query, key, value, decoder_segment_ids, KERNELS[self.attention_kernel])
+    return out, None, None  # normalised output, as MaxText's flash paths return
+
+  apply_attention._clis_installed = True
+  cls.apply_attention = apply_attention

@@ -1,0 +1,103 @@
+"""attention=clis inside the real MaxText package (0.2.5): its AttentionOp, our kernels, its dot_product as the reference."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax.linen import partitioning
+
+import f64_reference as ref
+import maxtext
+from clis_train.integrations import maxtext as clis_maxtext
+from maxtext.common import common_types
+from maxtext.configs import pyconfig
+from maxtext.layers import attention_op
+
+B, S, HQ, HKV, D = 2, 96, 4, 2, 64
+
+
+@pytest.fixture(scope="module")
+def config():
+  base = os.path.join(os.path.dirname(maxtext.__file__), "configs", "base.yml")
+  return pyconfig.initialize([None, base, "run_name=clis_test", "attention=clis", "skip_jax_distributed_system=true",
+                              "enable_checkpointing=false", "hardware=cpu", f"max_target_length={S}",
+                              f"base_num_query_heads={HQ}", f"base_num_kv_heads={HKV}", f"head_dim={D}"])
+
+
+def _mesh(config, **sizes):
+  shape = [sizes.get(axis, 1) for axis in config.mesh_axes]
+  return jax.sharding.Mesh(np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape), config.mesh_axes)
+
+
+def _inputs():
+  ks = jax.random.split(jax.random.PRNGKey(0), 4)
+  q = jax.random.normal(ks[0], (B, S, HQ, D)) * D ** -0.5  # MaxText hands the op a pre-scaled query
+  k = jax.random.normal(ks[1], (B, S, HKV, D)) + 0.5 * jax.random.normal(ks[3], (1, 1, HKV, D))
+  v = jax.random.normal(ks[2], (B, S, HKV, D))
+  seg = jnp.asarray([[1] * 40 + [2] * 50 + [0] * 6, [1] * 96], jnp.int32)  # packed, with a padded tail
+  return q, k, v, seg
+
+
+def _run(config, mesh, kernel, q, k, v, seg, **kw):
+  """MaxText's AttentionOp built as its Attention layer builds it, value and vjp."""
+  clis_maxtext.install()
+  op = attention_op.AttentionOp(config=config, mesh=mesh, attention_kernel=kernel, max_target_length=S,
+                                num_query_heads=HQ, num_kv_heads=HKV, dtype=jnp.float32, **kw)
+  with mesh, partitioning.axis_rules(config.logical_axis_rules):
+    return jax.vjp(lambda q, k, v: op(q, k, v, seg, None, common_types.MODEL_MODE_TRAIN), q, k, v)
+
+
+@pytest.mark.parametrize("kernel", ["clis", "clis_online"])
+@pytest.mark.parametrize("layout", [{}, {"data": 2, "tensor": 2}], ids=["1dev", "data2_tensor2"])
+def test_matches_maxtext_dot_product_with_packed_segments(config, kernel, layout):
+  q, k, v, seg = _inputs()
+  mesh = _mesh(config, **layout)
+  real = (seg != 0)[:, :, None, None]  # MaxText lets padding rows attend among padding; we return 0 there
+  do = jnp.where(real, jax.random.normal(jax.random.PRNGKey(9), q.shape), 0.0)
+  out, vjp = _run(config, mesh, kernel, q, k, v, seg)
+  want_out, want_vjp = _run(config, mesh, "dot_product", q, k, v, seg)
+  assert not np.array_equal(np.asarray(out), np.asarray(want_out))  # our kernel ran, not MaxText's dot_product
+  assert ref.rel_err(jnp.where(real, out, 0), jnp.where(real, want_out, 0)) < 2e-5
+  for got, want in zip(vjp(do), want_vjp(do)):
+    assert ref.rel_err(got, want) < 5e-5
+  exact = ref.attention(q, k, v, do, seg, causal=True, scale=1.0)[0]  # and both against float64
+  assert ref.rel_err(jnp.where(real, out, 0), exact) < 2e-5
+
+
+def test_bidirectional_full_attention(config):
+  q, k, v, seg = _inputs()
+  mesh = _mesh(config)
+  kw = dict(attention_type=common_types.AttentionType.FULL)
+  out, _ = _run(config, mesh, "clis", q, k, v, None, **kw)
+  want, _ = _run(config, mesh, "dot_product", q, k, v, None, **kw)
+  assert ref.rel_err(out, want) < 2e-5
+
+
+@pytest.mark.parametrize("what", ["decode", "sliding_window", "sinks", "soft_cap"])
+def test_unsupported_modes_fail_clearly(config, what):
+  clis_maxtext.install()
+  q, k, v, seg = _inputs()
+  mesh = _mesh(config)
+  kw = {"sliding_window": dict(attention_type=common_types.AttentionType.LOCAL_SLIDING, sliding_window_size=16),
+        "soft_cap": dict(attn_logits_soft_cap=30.0)}.get(what, {})
+  op = attention_op.AttentionOp(config=config, mesh=mesh, attention_kernel="clis", max_target_length=S,
+                                num_query_heads=HQ, num_kv_heads=HKV, dtype=jnp.float32, **kw)
+  mode = common_types.MODEL_MODE_AUTOREGRESSIVE if what == "decode" else common_types.MODEL_MODE_TRAIN
+  call_kw = dict(sinks=jnp.zeros((HQ,))) if what == "sinks" else {}
+  with mesh, partitioning.axis_rules(config.logical_axis_rules), pytest.raises(NotImplementedError, match="clis"):
+    op.apply_attention(q, k, v, seg, None, None, mode, qk_product_einsum=jnp.einsum, wv_product_einsum=jnp.einsum,
+                       **call_kw)
+
+
+def test_install_is_idempotent_and_leaves_other_kernels_alone(config):
+  clis_maxtext.install()
+  first = attention_op.AttentionOp.apply_attention
+  clis_maxtext.install()
+  assert attention_op.AttentionOp.apply_attention is first
+  q, k, v, seg = _inputs()
+  out, _ = _run(config, _mesh(config), "dot_product", q, k, v, seg)
+  assert out.shape == q.shape
