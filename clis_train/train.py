@@ -29,9 +29,16 @@ PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "TPU v6": 918.0
 
 
 def maybe_initialize_distributed() -> None:
-  """Multi-host runs: JAX's own distributed runtime, when the usual environment says so."""
-  if any(v in os.environ for v in ("JAX_COORDINATOR_ADDRESS", "COORDINATOR_ADDRESS")) or \
-      int(os.environ.get("SLURM_NTASKS", "1")) > 1 or os.environ.get("TPU_WORKER_HOSTNAMES"):
+  """Multi-host runs: JAX's own distributed runtime, when the usual environment says so.
+
+  JAX_COORDINATOR_ADDRESS (+ JAX_NUM_PROCESSES and JAX_PROCESS_ID, which JAX itself does not
+  read from the environment) for a hand-launched cluster; SLURM and Cloud TPU are auto-detected.
+  """
+  if "JAX_COORDINATOR_ADDRESS" in os.environ:
+    count, index = os.environ.get("JAX_NUM_PROCESSES"), os.environ.get("JAX_PROCESS_ID")
+    jax.distributed.initialize(num_processes=None if count is None else int(count),
+                               process_id=None if index is None else int(index))
+  elif int(os.environ.get("SLURM_NTASKS", "1")) > 1 or os.environ.get("TPU_WORKER_HOSTNAMES"):
     jax.distributed.initialize()
 
 

@@ -217,3 +217,23 @@ def test_sft_tiny_trains_on_responses(tmp_path):
 def test_cudnn_attention_needs_a_gpu(tmp_path):
   with pytest.raises(ValueError, match="attention='cudnn' needs an NVIDIA GPU"):
     Trainer(config(tmp_path, "attention=cudnn"))
+
+
+def test_distributed_initialize_reads_the_usual_environment(monkeypatch):
+  """The trainer starts JAX's distributed runtime only when a multi-process environment is set."""
+  from clis_train import train as train_mod
+  calls = []
+  monkeypatch.setattr(train_mod.jax.distributed, "initialize", lambda **kw: calls.append(kw))
+  for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_NTASKS", "TPU_WORKER_HOSTNAMES"):
+    monkeypatch.delenv(var, raising=False)
+  train_mod.maybe_initialize_distributed()
+  assert calls == []  # single process: nothing to do
+  monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.1:1234")
+  monkeypatch.setenv("JAX_NUM_PROCESSES", "4")
+  monkeypatch.setenv("JAX_PROCESS_ID", "2")
+  train_mod.maybe_initialize_distributed()
+  assert calls == [dict(num_processes=4, process_id=2)]
+  monkeypatch.delenv("JAX_COORDINATOR_ADDRESS")
+  monkeypatch.setenv("SLURM_NTASKS", "8")
+  train_mod.maybe_initialize_distributed()
+  assert calls[-1] == {}
