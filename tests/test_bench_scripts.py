@@ -12,8 +12,8 @@ ROOT = pathlib.Path(__file__).parent.parent
 REQUIRED = {"case", "impl", "pass", "ms", "B", "S", "Hq", "Hkv", "D", "causal", "device", "jax_version", "repeat"}
 
 
-def _run(*args):
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
+def _run(*args, **env_extra):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", **env_extra)
   return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, check=True, capture_output=True, text=True)
 
 
@@ -55,3 +55,16 @@ def test_bench_diffusion_quick(tmp_path):
   for suffix in (".md", ".png"):
     assert out.with_suffix(suffix).exists()
   assert (tmp_path / "diffusion_strip.png").exists()
+
+
+def test_multi_gpu_check_on_two_cpu_devices(tmp_path):
+  """The mesh-layout check runs 1-device, 2-way data and 2-way tensor layouts and finds the same losses."""
+  out = tmp_path / "multi.json"
+  _run("scripts/multi_gpu_check.py", "recipes/cpt_tiny.yaml", f"run_dir={tmp_path}", "data.seq_len=64", "--steps", "3",
+       "--out", str(out), XLA_FLAGS="--xla_force_host_platform_device_count=2")
+  records = {r["impl"]: r for r in json.loads(out.read_text())}
+  assert set(records) == {"clis|1dev", "online|1dev", "clis|data2", "clis|tensor2"}
+  assert records["clis|data2"]["devices"] == 2 and records["clis|tensor2"]["mesh"]["tensor"] == 2
+  for name in ("clis|data2", "clis|tensor2"):
+    assert records[name]["max_abs_loss_diff_vs_1dev"] < 1e-3  # same global batch, same steps
+    assert records[name]["B"] == records["clis|1dev"]["B"]

@@ -152,3 +152,20 @@ def test_skip_kernel_lowers_for_the_gpu(track):
   fn = lambda q, k, v, s: diffusion.attention(q, k, v, s, thr=-10.0 if track else -math.inf, block_sizes=bs,
                                               implementation="pallas_gpu")[0]
   assert "clis_skip_fwd" in _lower_for_h200(fn, q, q, q, state)
+
+
+def test_calibration_finds_the_loosest_threshold_within_the_target_error():
+  q, k, v = local_inputs(7)
+  state = diffusion.init_state(1, 2, 90, BS)
+  dense = diffusion.attention(q, k, v, state, thr=-math.inf, block_sizes=BS)[0]
+  rel_l1 = lambda s: float(jnp.mean(jnp.abs(diffusion.attention(q, k, v, s, thr=-math.inf, block_sizes=BS)[0] - dense))
+                           / jnp.mean(jnp.abs(dense)))
+  found = {}
+  for target in (1e-4, 1e-2):
+    thr, err = diffusion.calibrate_thr(q, k, v, state, target=target, block_sizes=BS, iters=6)
+    assert math.isfinite(thr) and err <= target
+    _, marked, _ = diffusion.attention(q, k, v, state, thr=thr, block_sizes=BS)
+    assert bool(marked.skip.any()) and rel_l1(marked) == pytest.approx(err)
+    found[target] = (thr, marked)
+  assert found[1e-2][0] >= found[1e-4][0]  # a looser target never gives a stricter threshold
+  assert found[1e-2][1].skip.sum() >= found[1e-4][1].skip.sum()

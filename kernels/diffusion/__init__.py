@@ -1,5 +1,6 @@
 """Diffusion inference: bidirectional CLiS attention with LiteAttention-style temporal tile skipping."""
 
-from clis_kernels.diffusion.skipping import SkipState, SkipStats, attention, init_state, threshold_schedule, tiles
+from clis_kernels.diffusion.skipping import (SkipState, SkipStats, attention, calibrate_thr, init_state,
+                                             threshold_schedule, tiles)
 
-__all__ = ["SkipState", "SkipStats", "attention", "init_state", "threshold_schedule", "tiles"]
+__all__ = ["SkipState", "SkipStats", "attention", "calibrate_thr", "init_state", "threshold_schedule", "tiles"]

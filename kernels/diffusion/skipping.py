@@ -138,3 +138,33 @@ def attention(q, k, v, state: SkipState, *, thr, scale: float | None = None, blo
   stats = SkipStats(sparsity=state.skip.mean(), new_marks=new_marks,
                     max_skipped_weight=jnp.exp2(jnp.asarray(thr, jnp.float32)))
   return out[:, :seq_len], SkipState(state.skip | new_marks, state.calls + 1), stats
+
+
+def calibrate_thr(q, k, v, state: SkipState, *, target: float = 0.01, lo: float = -40.0, hi: float = 0.0,
+                  iters: int = 10, **kw) -> tuple[float, float]:
+  """The loosest thr in [lo, hi] (log2) whose new marks keep this call's output within `target`
+  relative L1 error of the output with no new marks (LiteAttention's calibration, per layer and call).
+
+  Bisects on thr; each probe marks with `attention(..., thr)` and measures the error by running
+  again with those marks applied. Returns (thr, measured error); (-inf, 0.0) if even `lo` misses.
+  kw: as `attention` (block_sizes, implementation, ...). Python-level: call it outside jit.
+  """
+  reference_out = attention(q, k, v, state, thr=-math.inf, **kw)[0].astype(jnp.float32)
+  scale = float(jnp.mean(jnp.abs(reference_out)))
+
+  def error(thr):
+    marked = attention(q, k, v, state, thr=thr, **kw)[1]
+    out = attention(q, k, v, marked, thr=-math.inf, **kw)[0].astype(jnp.float32)
+    return float(jnp.mean(jnp.abs(out - reference_out))) / max(scale, 1e-30)
+
+  best = (-math.inf, 0.0)
+  if (err := error(lo)) > target:
+    return best
+  best = (lo, err)
+  for _ in range(iters):
+    mid = (lo + hi) / 2
+    if (err := error(mid)) <= target:
+      best, lo = (mid, err), mid
+    else:
+      hi = mid
+  return best
