@@ -169,3 +169,15 @@ def test_calibration_finds_the_loosest_threshold_within_the_target_error():
     found[target] = (thr, marked)
   assert found[1e-2][0] >= found[1e-4][0]  # a looser target never gives a stricter threshold
   assert found[1e-2][1].skip.sum() >= found[1e-4][1].skip.sum()
+
+
+def test_a_loose_threshold_never_skips_a_rows_last_keys():
+  """At thr = -1 every tile is a candidate; the budget 2^(-thr-1) = 1 tile per q tile keeps δ < 1/2."""
+  q, k, v = local_inputs(8)
+  state = diffusion.init_state(1, 2, 90, BS)
+  for thr in (-1.0, -2.0):
+    _, marked, _ = diffusion.attention(q, k, v, state, thr=thr, block_sizes=BS)
+    per_q_tile = np.asarray(marked.skip).sum(-1)
+    assert per_q_tile.max() <= 2.0 ** (-thr - 1) and per_q_tile.max() >= 1
+    out = diffusion.attention(q, k, v, marked, thr=-math.inf, block_sizes=BS)[0]
+    assert bool(jnp.isfinite(out).all()) and float(jnp.abs(out).sum(-1).min()) > 0  # no row emptied

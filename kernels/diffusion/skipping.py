@@ -18,7 +18,8 @@ nothing): then every row's weight on it is < 2^thr. Both paths (reference, palla
 exactly these two per-tile numbers.
 Guarantee: if row i leaves out tiles of total weight δ_i = Σ w_iu (weights of the inputs of
 that call), its output moves by at most δ_i / (1 − δ_i) · max_j ‖v_j − o_i‖∞ ≤ 2·δ_i/(1 − δ_i)·max|v|,
-and δ_i < (number of skipped tiles)·2^thr. At later calls the inputs have moved on; that the
+and δ_i < (number of skipped tiles)·2^thr. A q tile may skip at most 2^(−thr−1) tiles (those with
+the smallest bounds are kept as marks first), so δ_i < 1/2 at any thr and no row loses all its keys. At later calls the inputs have moved on; that the
 weights stay small there is LiteAttention's observation (temporal coherence), not a theorem,
 so `SkipStats` reports what was skipped and callers measure the error (bench_diffusion).
 """
@@ -80,6 +81,17 @@ def threshold_schedule(step: int, *, num_steps: int, dense_steps: int, thr_early
   return thr_early + (thr_late - thr_early) * frac
 
 
+def _within_budget(candidates, bound, skip, thr):
+  """Keeps the candidates with the smallest bounds so that no q tile skips more than
+  max_skipped(thr) = 2^(−thr−1) tiles: then δ_i < 1/2 for every row (the guarantee above stays
+  meaningful, and a row never loses all its keys, however loose thr is)."""
+  budget = jnp.floor(jnp.exp2(-jnp.asarray(thr, jnp.float32) - 1.0))
+  allowed = jnp.maximum(budget - skip.sum(-1, keepdims=True), 0.0)  # [B, H, nq, 1]
+  order = jnp.argsort(jnp.where(candidates, bound, jnp.inf), axis=-1)
+  rank = jnp.argsort(order, axis=-1)  # rank of each tile among this q tile's candidates
+  return candidates & (rank < allowed)
+
+
 def attention(q, k, v, state: SkipState, *, thr, scale: float | None = None, block_sizes=None,
               stabilizer_name: str = "clis", tau: float = 64.0, implementation: str = "reference",
               interpret: bool = False):
@@ -134,19 +146,20 @@ def attention(q, k, v, state: SkipState, *, thr, scale: float | None = None, blo
 
   new_marks = jnp.zeros_like(state.skip)
   if track:
-    new_marks = (gap - log2_l[..., None] + math.log2(bk) < thr) & ~state.skip
+    bound = gap - log2_l[..., None] + math.log2(bk)
+    new_marks = _within_budget((bound < thr) & ~state.skip, bound, state.skip, thr)
   stats = SkipStats(sparsity=state.skip.mean(), new_marks=new_marks,
                     max_skipped_weight=jnp.exp2(jnp.asarray(thr, jnp.float32)))
   return out[:, :seq_len], SkipState(state.skip | new_marks, state.calls + 1), stats
 
 
-def calibrate_thr(q, k, v, state: SkipState, *, target: float = 0.01, lo: float = -40.0, hi: float = 0.0,
+def calibrate_thr(q, k, v, state: SkipState, *, target: float = 0.01, lo: float = -40.0, hi: float = -1.0,
                   iters: int = 10, **kw) -> tuple[float, float]:
   """The loosest thr in [lo, hi] (log2) whose new marks keep this call's output within `target`
   relative L1 error of the output with no new marks (LiteAttention's calibration, per layer and call).
 
   Bisects on thr; each probe marks with `attention(..., thr)` and measures the error by running
-  again with those marks applied. Returns (thr, measured error); (-inf, 0.0) if even `lo` misses.
+  again with those marks applied. hi stays ≤ −1: above it the skip budget 2^(−thr−1) is < 1 tile. Returns (thr, measured error); (-inf, 0.0) if even `lo` misses.
   kw: as `attention` (block_sizes, implementation, ...). Python-level: call it outside jit.
   """
   reference_out = attention(q, k, v, state, thr=-math.inf, **kw)[0].astype(jnp.float32)
