@@ -1,8 +1,10 @@
 """CLiS attention forward as a Pallas Triton kernel (NVIDIA GPUs).
 
 Grid (q_block, batch, q_head); each program owns one [block_q, D] query tile and walks
-the KV sequence. A certified tile runs the fixed-stabilizer loop (no row max, no
-rescale); otherwise the same program runs the online softmax. Under the causal mask the
+the KV sequence. The prologue certifies the tile from its own rows and the K/V pre-pass
+(stabilizer.key_bounds → row_bounds → stabilize), so no pre-pass reads q. A certified tile
+runs the fixed-stabilizer loop (no row max, no rescale, weights summed on the tensor cores);
+otherwise the same program runs the online softmax. Under the causal mask the
 loop is split into the blocks wholly below the diagonal (no mask) and the few that
 straddle it. Causal q tiles are visited last-first so the longest ones start early.
 Layout: q [B, S, Hq, D], k/v [B, S, Hkv, D] (the API's, no transposes); lse [B, Hq, S].
