@@ -101,3 +101,20 @@ def test_install_is_idempotent_and_leaves_other_kernels_alone(config):
   q, k, v, seg = _inputs()
   out, _ = _run(config, _mesh(config), "dot_product", q, k, v, seg)
   assert out.shape == q.shape
+
+
+def test_launcher_installs_then_runs_the_module_as_main(tmp_path):
+  """`python -m clis_train.integrations.maxtext MODULE ARGS` patches MaxText before MODULE runs."""
+  import subprocess
+  import sys
+  (tmp_path / "fake_maxtext_entry.py").write_text(
+      "import sys\n"
+      "from maxtext.layers import attention_op\n"
+      "if __name__ == '__main__':\n"
+      "  assert getattr(attention_op.AttentionOp.apply_attention, '_clis_installed', False)\n"
+      "  open(sys.argv[2], 'w').write(' '.join(sys.argv[1:]))\n")
+  marker = tmp_path / "ran.txt"
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+  subprocess.run([sys.executable, "-m", "clis_train.integrations.maxtext", "fake_maxtext_entry", "attention=clis",
+                  str(marker)], env=env, check=True, capture_output=True, text=True)
+  assert marker.read_text() == f"attention=clis {marker}"

@@ -3,6 +3,11 @@
     from clis_train.integrations import maxtext as clis_maxtext
     clis_maxtext.install()   # then run MaxText as usual with attention=clis (or clis_online)
 
+or, with MaxText's own entry points untouched, from the command line:
+
+    python -m clis_train.integrations.maxtext maxtext.trainers.pre_train.train \
+        maxtext/configs/base.yml attention=clis ...
+
 `install()` wraps `maxtext.layers.attention_op.AttentionOp.apply_attention` once: for
 `attention_kernel` "clis" / "clis_online" it calls `clis_kernels.attention` (Triton on
 NVIDIA GPUs, Mosaic on TPUs) and returns what MaxText's flash paths return; every other
@@ -18,6 +23,8 @@ from __future__ import annotations
 
 import functools
 import math
+import runpy
+import sys
 
 import jax
 from jax.sharding import PartitionSpec as P
@@ -110,3 +117,19 @@ def install() -> None:
 
   apply_attention._clis_installed = True
   cls.apply_attention = apply_attention
+
+
+def main(argv: list[str] | None = None) -> None:
+  """`python -m clis_train.integrations.maxtext MODULE ARGS...`: install(), then run MODULE as
+  __main__ with sys.argv = [MODULE, ARGS...] (MaxText's train scripts read their config from it)."""
+  argv = sys.argv[1:] if argv is None else argv
+  if not argv or argv[0].startswith("-"):
+    raise SystemExit("usage: python -m clis_train.integrations.maxtext MODULE [ARGS...], e.g. "
+                     "maxtext.trainers.pre_train.train maxtext/configs/base.yml attention=clis")
+  install()
+  sys.argv = list(argv)
+  runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+  main()
