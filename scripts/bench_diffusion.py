@@ -1,7 +1,9 @@
 """Diffusion inference with the example video DiT: dense vs CLiS vs CLiS + temporal tile skipping.
 
 For every variant, the same noise and conditions are sampled with the flow-matching Euler
-sampler (examples/video_dit). Records per step: latency (a second, warm run of the sampler),
+sampler (examples/video_dit); skip variants follow a thr schedule (--schedules) or calibrate each
+layer's thr to a relative L1 target every step (--calibrate; eager, so its step latency is not
+comparable). Records per step: latency (a second, warm run of the sampler),
 the self-attention time of all layers (each layer's attention timed alone on the step's skip
 state, variants interleaved), and the fraction of tiles skipped; per variant: PSNR and SSIM of
 the final videos against the dense XLA sample from the same noise. Writes JSON records, a
@@ -109,6 +111,8 @@ def main():
   p.add_argument("--impls", nargs="+", default=["xla", "cudnn", "online", "clis", "clis_skip"])
   p.add_argument("--schedules", nargs="+", default=["-14:-8", "-10:-4"],
                  help="thr_early:thr_late (log2) for each skip run")
+  p.add_argument("--calibrate", type=float, nargs="*", default=[0.01],
+                 help="relative L1 targets: skip runs whose layers bisect thr every step (diffusion.calibrate_thr)")
   p.add_argument("--steps", type=int, default=20)
   p.add_argument("--dense-steps", type=int, default=4)
   p.add_argument("--batch", type=int, default=4)
@@ -126,7 +130,8 @@ def main():
     leaves, tree = jax.tree.flatten(params)
     keys = jax.random.split(jax.random.PRNGKey(1), len(leaves))
     params = jax.tree.unflatten(tree, [x + 0.05 * jax.random.normal(k_, x.shape) for x, k_ in zip(leaves, keys)])
-    args.impls, args.schedules, args.steps, args.dense_steps = ["xla", "clis", "clis_skip"], ["-6:-2"], 4, 1
+    args.impls, args.schedules, args.steps, args.dense_steps = ["xla", "clis", "clis_skip"], ["-6:-2"], 3, 1
+    args.calibrate = [0.01]
     args.batch, args.repeats, args.inner = 1, 2, 1
   else:
     params, cfg = train.load(args.weights)
@@ -139,17 +144,24 @@ def main():
   for impl in args.impls:
     if impl.endswith("_skip"):
       variants += [(impl, tuple(float(x) for x in sched.split(":"))) for sched in args.schedules]
+      variants += [(impl, ("cal", target)) for target in args.calibrate]
     else:
       variants.append((impl, None))
 
   meta = benchmarking.device_meta()
   videos, records = {}, []
   for impl, sched in variants:
-    label = impl if sched is None else f"{impl}[{sched[0]:g}:{sched[1]:g}]"
     kw = dict(attention=impl, steps=args.steps, dense_steps=args.dense_steps)
-    if sched is not None:
+    if sched is None:
+      label = impl
+    elif sched[0] == "cal":
+      label = f"{impl}[cal {sched[1]:g}]"
+      kw.update(calibrate=sched[1])
+    else:
+      label = f"{impl}[{sched[0]:g}:{sched[1]:g}]"
       kw.update(thr_early=sched[0], thr_late=sched[1])
-    sampler.sample(params, cfg, noise, condition, **kw)  # compile
+    if "calibrate" not in kw:
+      sampler.sample(params, cfg, noise, condition, **kw)  # compile (calibrated steps run eagerly)
     video, per_step, states = sampler.sample(params, cfg, noise, condition, timing=True, keep_states=True, **kw)
     videos[label] = video
     thrs = [s["thr"] for s in per_step]

@@ -46,7 +46,9 @@ def test_bench_diffusion_quick(tmp_path):
   out = tmp_path / "diffusion.json"
   _run("scripts/bench_diffusion.py", "--quick", "--out", str(out))
   records = json.loads(out.read_text())
-  assert {r["impl"] for r in records} == {"xla", "clis", "clis_skip[-6:-2]"}
+  assert {r["impl"] for r in records} == {"xla", "clis", "clis_skip[-6:-2]", "clis_skip[cal 0.01]"}
+  calibrated = next(r for r in records if r["impl"] == "clis_skip[cal 0.01]")
+  assert all(len(s["layer_thrs"]) == 2 for s in calibrated["per_step"][1:])  # one thr per layer per step
   for r in records:
     assert {"step_ms", "attention_ms", "mean_sparsity", "psnr_db", "ssim", "per_step", "device", "date"} <= set(r)
     assert len(r["per_step"]) == r["steps"] and all(s["attention_ms"] > 0 for s in r["per_step"])

@@ -46,6 +46,20 @@ def make_attend(name: str, thr=None):
   return attend
 
 
+def make_calibrating_attend(name: str, target: float, thrs: list):
+  """Like make_attend's skip backends, but each call bisects its own thr to `target` relative L1
+  error (diffusion.calibrate_thr) and appends it to `thrs`. Eager (Python-level): not under jit."""
+  impl, bs = skip_implementation()
+  kw = dict(implementation=impl, block_sizes=bs, stabilizer_name=name.removesuffix("_skip"))
+
+  def attend(q, k, v, state):
+    thr, _ = diffusion.calibrate_thr(q, k, v, state, target=target, **kw)
+    thrs.append(thr)
+    out, state, stats = diffusion.attention(q, k, v, state, thr=thr, **kw)
+    return out, state, stats.sparsity
+  return attend
+
+
 def init_skip_states(cfg: DiTConfig, batch: int):
   impl, bs = skip_implementation()
   bs = bs or pallas_gpu.default_block_sizes(cfg.head_dim, cfg.tokens, jnp.dtype(cfg.dtype))
@@ -62,10 +76,12 @@ def _step_fn(cfg: DiTConfig, name: str, track: bool):
 
 
 def sample(params, cfg: DiTConfig, noise, condition, *, attention: str, steps: int = 20, dense_steps: int = 4,
-           thr_early: float = -14.0, thr_late: float = -8.0, timing: bool = False, keep_states: bool = False):
+           thr_early: float = -14.0, thr_late: float = -8.0, calibrate: float | None = None, timing: bool = False,
+           keep_states: bool = False):
   """Euler from t=1 (noise) to t=0. Returns (video, per-step records: t, thr, sparsity, ms, and
   the skip states each step ran with (a list per step; None entries without skipping) when
-  keep_states, else the final states)."""
+  keep_states, else the final states). calibrate: instead of the thr schedule, each layer bisects
+  its thr to this relative L1 error at every step after the dense ones (eager steps, slower)."""
   skip = attention.endswith("_skip")
   states = init_skip_states(cfg, noise.shape[0]) if skip else None
   x, records, history = noise, [], []
@@ -73,7 +89,15 @@ def sample(params, cfg: DiTConfig, noise, condition, *, attention: str, steps: i
   for i in range(steps):
     thr = diffusion.threshold_schedule(i, num_steps=steps, dense_steps=dense_steps, thr_early=thr_early,
                                        thr_late=thr_late) if skip else -math.inf
-    fn = _step_fn(cfg, attention, skip and thr > -math.inf)
+    layer_thrs = []
+    if skip and calibrate is not None and i >= dense_steps:
+      model = VideoDiT(cfg, make_calibrating_attend(attention, calibrate, layer_thrs))
+
+      def fn(params, x, t, dt, condition, states, thr, model=model):
+        velocity, states, aux = model.apply({"params": params}, x, jnp.full((x.shape[0],), t), condition, states)
+        return x - dt * velocity, states, aux
+    else:
+      fn = _step_fn(cfg, attention, skip and thr > -math.inf)
     args = (params, x, ts[i], ts[i] - ts[i + 1], condition, states, jnp.float32(max(thr, -1e4)))
     history.append(states)
     t0 = time.perf_counter()
@@ -81,5 +105,8 @@ def sample(params, cfg: DiTConfig, noise, condition, *, attention: str, steps: i
     x = jax.block_until_ready(x)
     ms = (time.perf_counter() - t0) * 1e3
     sparsity = float(jnp.mean(jnp.stack(aux))) if skip else 0.0
-    records.append(dict(step=i, t=float(ts[i]), thr=thr, sparsity=sparsity, ms=ms if timing else None))
+    if layer_thrs:  # calibrated: the loosest layer's thr stands for the step (it decides whether marks are made)
+      thr = max(layer_thrs)
+    records.append(dict(step=i, t=float(ts[i]), thr=thr, layer_thrs=layer_thrs or None, sparsity=sparsity,
+                        ms=ms if timing else None))
   return x, records, (history if keep_states else states)
