@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -87,6 +86,51 @@ def default_block_sizes(head_dim: int, seq_len: int, dtype) -> BlockSizes:
   return BlockSizes(fit(64), fit(32), fit(32), 8, 2, **bwd(32, 4, 1))
 
 
+def certify_tile(q, centre, radius, headroom, threshold, k_diag, row_real, *, sigma2: float):
+  """(M [block_q], certified) of one q tile, from its rows and the K/V pre-pass (stabilizer.py).
+
+  q [block_q, D]; centre [D] or [block_q, D]; radius, headroom, threshold (1,); k_diag [block_q, D]
+  (each row's own key, causal or packed) or None; row_real [block_q] bool.
+  """
+  centre = centre.astype(jnp.float32)
+  upper, lower = row_bounds(q.astype(jnp.float32), centre if centre.ndim == 2 else centre[None, :], radius,
+                            None if k_diag is None else k_diag.astype(jnp.float32), sigma2=sigma2)
+  m, row_ok = stabilize(upper, lower, headroom, threshold, row_real)
+  return m, jnp.sum((~row_ok).astype(jnp.int32)) == 0
+
+
+def fixed_update(acc, l, p, v, precision):
+  """One certified kv step, no max and no rescale. The weights enter P·V rounded to v's dtype and
+  l sums exactly those (stabilizer.py), on the tensor cores: p·ones keeps the sum off the vector
+  units. l is [block_q, SUM_COLUMNS] (equal columns); `fixed_sum` reduces it."""
+  p = p.astype(v.dtype)
+  ones = jnp.ones((p.shape[1], SUM_COLUMNS), v.dtype)
+  return acc + plgpu.dot(p, v, precision=precision), l + plgpu.dot(p, ones, precision=precision)
+
+
+def fixed_sum(l):
+  return l.sum(axis=1) * (1.0 / SUM_COLUMNS)  # the columns are equal: exact
+
+
+def online_update(acc, m, l, s, v, precision):
+  """One online-softmax kv step on base-2 logits s [block_q, block_k]: new max, rescale, accumulate."""
+  m_new = jnp.maximum(m, s.max(axis=1))
+  alpha = jnp.exp2(m - m_new)
+  p = jnp.exp2(s - m_new[:, None])
+  return acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision), m_new, l * alpha + p.sum(axis=1)
+
+
+def write_outputs(acc, m, l, certified, o_ref, lse_ref, tiles_ref):
+  """Normalises and stores o, the base-2 lse and the tile's certificate flag; rows that saw no key
+  get o = 0 and EMPTY_LSE. Returns (empty rows, l with empty rows set to 1)."""
+  empty = (l == 0.0) | (m == NEG)
+  l_safe = jnp.where(empty, 1.0, l)
+  o_ref[...] = jnp.where(empty[:, None], 0.0, acc / l_safe[:, None]).astype(o_ref.dtype)
+  lse_ref[...] = jnp.where(empty, EMPTY_LSE, m + jnp.log2(l_safe))
+  tiles_ref[...] = jnp.broadcast_to(certified.astype(jnp.int32), (1,))
+  return empty, l_safe
+
+
 def _fwd_kernel(*refs, has_segments: bool, mode: str, causal: bool, sigma2: float, block_q: int, block_k: int,
                 block_k_fixed: int, kv_len: int | None, seq_len: int, num_q_blocks: int, precision):
   q_ref, k_ref, v_ref = refs[:3]
@@ -108,26 +152,16 @@ def _fwd_kernel(*refs, has_segments: bool, mode: str, causal: bool, sigma2: floa
       s = s if mask is None else jnp.where(mask, s, NEG)
     return s
 
-  def pv(p, start_k, block):
-    v = v_ref[pl.ds(start_k * block, block), :]
-    return plgpu.dot(p.astype(v.dtype), v, precision=precision)
-
   def fixed_body(start_k, carry, masked):
-    # No max, no rescale. l sums the weights that multiplied V, rounded to v's dtype
-    # (stabilizer.py), on the tensor cores: p·ones keeps the sum off the vector units.
     acc, m, l = carry
-    p = jnp.exp2(scores(start_k, block_k_fixed, masked) - m[:, None]).astype(v_ref.dtype)
-    ones = jnp.ones((block_k_fixed, SUM_COLUMNS), v_ref.dtype)
-    l = l + plgpu.dot(p, ones, precision=precision)
-    return acc + pv(p, start_k, block_k_fixed), m, l
+    p = jnp.exp2(scores(start_k, block_k_fixed, masked) - m[:, None])
+    acc, l = fixed_update(acc, l, p, v_ref[pl.ds(start_k * block_k_fixed, block_k_fixed), :], precision)
+    return acc, m, l
 
   def online_body(start_k, carry, masked):
     acc, m, l = carry
-    s = scores(start_k, block_k, masked)
-    m_new = jnp.maximum(m, s.max(axis=1))
-    alpha = jnp.exp2(m - m_new)
-    p = jnp.exp2(s - m_new[:, None])
-    return acc * alpha[:, None] + pv(p, start_k, block_k), m_new, l * alpha + p.sum(axis=1)
+    return online_update(acc, m, l, scores(start_k, block_k, masked), v_ref[pl.ds(start_k * block_k, block_k), :],
+                         precision)
 
   def run(body, block, m0, l0):
     # Blocks [0, num_full) need no mask unless segments hide keys; [num_full, num_total) do.
@@ -143,7 +177,7 @@ def _fwd_kernel(*refs, has_segments: bool, mode: str, causal: bool, sigma2: floa
 
   def fixed(m0):
     acc, m, l = run(fixed_body, block_k_fixed, m0, jnp.zeros((block_q, SUM_COLUMNS), jnp.float32))
-    return acc, m, l.sum(axis=1) * (1.0 / SUM_COLUMNS)  # the columns are equal: exact
+    return acc, m, fixed_sum(l)
 
   def online():
     return run(online_body, block_k, jnp.full((block_q,), NEG, jnp.float32), jnp.zeros((block_q,), jnp.float32))
@@ -152,30 +186,19 @@ def _fwd_kernel(*refs, has_segments: bool, mode: str, causal: bool, sigma2: floa
     certified = jnp.bool_(False)
     acc, m, l = online()
   else:
-    if mode == "keys":  # certificate from this tile's rows (stabilizer.row_bounds), no pre-pass over q
+    if mode == "keys":  # certificate from this tile's rows, no pre-pass over q
       centre_ref, radius_ref, headroom_ref, threshold_ref = stab_refs
-      qf = q.astype(jnp.float32)
-      centre = centre_ref[...].astype(jnp.float32)
-      k_diag = None
-      if causal or has_segments:
-        k_diag = k_ref[pl.ds(q_block * block_q, block_q), :].astype(jnp.float32)
-      upper, lower = row_bounds(qf, centre if centre.ndim == 2 else centre[None, :], radius_ref[...], k_diag,
-                                sigma2=sigma2)
+      k_diag = k_ref[pl.ds(q_block * block_q, block_q), :] if (causal or has_segments) else None
       row_real = q_pos < seq_len
       if q_seg is not None:
         row_real = row_real & (q_seg != 0)
-      m0, row_ok = stabilize(upper, lower, headroom_ref[...], threshold_ref[...], row_real)
-      certified = jnp.sum((~row_ok).astype(jnp.int32)) == 0
+      m0, certified = certify_tile(q, centre_ref[...], radius_ref[...], headroom_ref[...], threshold_ref[...],
+                                   k_diag, row_real, sigma2=sigma2)
     else:  # "cert": m and the tile's certificate from the XLA pre-pass
       m_ref, cert_ref = stab_refs
       m0, certified = m_ref[...], jnp.sum(cert_ref[...]) > 0
     acc, m, l = lax.cond(certified, lambda: fixed(m0), online)
-
-  empty = (l == 0.0) | (m == NEG)
-  l_safe = jnp.where(empty, 1.0, l)
-  o_ref[...] = jnp.where(empty[:, None], 0.0, acc / l_safe[:, None]).astype(o_ref.dtype)
-  lse_ref[...] = jnp.where(empty, EMPTY_LSE, m + jnp.log2(l_safe))
-  tiles_ref[...] = jnp.broadcast_to(certified.astype(jnp.int32), (1,))
+  write_outputs(acc, m, l, certified, o_ref, lse_ref, tiles_ref)
 
 
 def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv_len, block_sizes: BlockSizes,

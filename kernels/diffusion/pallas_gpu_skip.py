@@ -26,8 +26,9 @@ from jax.experimental.pallas import triton as plgpu
 
 from clis_kernels import masks
 from clis_kernels.common import dot_precision
-from clis_kernels.pallas_gpu import SUM_COLUMNS, BlockSizes
-from clis_kernels.stabilizer import EMPTY_LSE, LOG2E, NEG, KeyBounds, row_bounds, stabilize
+from clis_kernels.pallas_gpu import (SUM_COLUMNS, BlockSizes, certify_tile, fixed_sum, fixed_update, online_update,
+                                      write_outputs)
+from clis_kernels.stabilizer import LOG2E, NEG, KeyBounds
 
 
 def _kernel(q_ref, k_ref, v_ref, visit_ref, count_ref, *refs, certify: bool, track: bool, sigma2: float,
@@ -47,51 +48,36 @@ def _kernel(q_ref, k_ref, v_ref, visit_ref, count_ref, *refs, certify: bool, tra
     acc, m, l, gap = carry
     u = jnp.sum(visit_ref[pl.ds(slot, 1)])  # the kv tile this step visits
     k = k_ref[pl.ds(u * block_k, block_k), :]
+    v = v_ref[pl.ds(u * block_k, block_k), :]
     s = plgpu.dot(q, k, trans_b=True, precision=precision) * sigma2
     mask = masks.visible(q_pos, u * block_k + jnp.arange(block_k), None, None, causal=False, kv_len=kv_len)
     if mask is not None:
       s = jnp.where(mask, s, NEG)
     if fixed:
-      m_new, alpha = m, None
+      acc, l = fixed_update(acc, l, jnp.exp2(s - m[:, None]), v, precision)
     else:
-      m_new = jnp.maximum(m, s.max(axis=1))
-      alpha = jnp.exp2(m - m_new)
-    p = jnp.exp2(s - m_new[:, None])
-    v = v_ref[pl.ds(u * block_k, block_k), :]
-    if fixed:  # weights summed as rounded to v's dtype, on the tensor cores (as in the main kernel)
-      p = p.astype(v.dtype)
-      l = l + plgpu.dot(p, jnp.ones((block_k, SUM_COLUMNS), v.dtype), precision=precision)
-      acc = acc + plgpu.dot(p, v, precision=precision)
-    else:
-      l = l * alpha + p.sum(axis=1)
-      acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision)
+      acc, m, l = online_update(acc, m, l, s, v, precision)
     if track:
-      tile_gap = jnp.max(jnp.where(row_real, s.max(axis=1) - m_new, NEG))
+      tile_gap = jnp.max(jnp.where(row_real, s.max(axis=1) - m, NEG))
       gap = jnp.where(jnp.arange(num_slots) == u, tile_gap, gap)
-    return acc, m_new, l, gap
+    return acc, m, l, gap
 
   def run(fixed, m0):
     l0 = jnp.zeros((block_q, SUM_COLUMNS) if fixed else (block_q,), jnp.float32)
     carry = (jnp.zeros(o_ref.shape, jnp.float32), m0, l0, jnp.full((num_slots,), NEG, jnp.float32))
     acc, m, l, gap = lax.fori_loop(0, count, functools.partial(body, fixed=fixed), carry)
-    return acc, m, (l.sum(axis=1) * (1.0 / SUM_COLUMNS) if fixed else l), gap
+    return acc, m, (fixed_sum(l) if fixed else l), gap
 
   online = lambda: run(False, jnp.full((block_q,), NEG, jnp.float32))
   if certify:
-    upper, lower = row_bounds(q.astype(jnp.float32), centre_ref[...].astype(jnp.float32)[None, :], radius_ref[...],
-                              None, sigma2=sigma2)
-    m0, row_ok = stabilize(upper, lower, headroom_ref[...], threshold_ref[...], row_real)
-    certified = jnp.sum((~row_ok).astype(jnp.int32)) == 0
+    m0, certified = certify_tile(q, centre_ref[...], radius_ref[...], headroom_ref[...], threshold_ref[...], None,
+                                 row_real, sigma2=sigma2)
     acc, m, l, gap = lax.cond(certified, lambda: run(True, m0), online)
   else:
     certified = jnp.bool_(False)
     acc, m, l, gap = online()
 
-  empty = (l == 0.0) | (m == NEG)
-  l_safe = jnp.where(empty, 1.0, l)
-  o_ref[...] = jnp.where(empty[:, None], 0.0, acc / l_safe[:, None]).astype(o_ref.dtype)
-  lse_ref[...] = jnp.where(empty, EMPTY_LSE, m + jnp.log2(l_safe))
-  tiles_ref[...] = jnp.broadcast_to(certified.astype(jnp.int32), (1,))
+  empty, l_safe = write_outputs(acc, m, l, certified, o_ref, lse_ref, tiles_ref)
   gap_ref[...] = gap
   log2_l_ref[...] = jnp.broadcast_to(jnp.min(jnp.where(row_real & ~empty, jnp.log2(l_safe), jnp.inf)), (1,))
 
