@@ -35,6 +35,12 @@ def _pallas_gpu() -> Backend:
                  pallas_gpu.default_block_sizes, ("gpu",), True)
 
 
+def _pallas_mgpu() -> Backend:
+  from clis_kernels import pallas_mgpu
+  return Backend(pallas_mgpu.forward, pallas_mgpu.backward, pallas_mgpu.BlockSizes,
+                 pallas_mgpu.default_block_sizes, ("gpu",), False)
+
+
 def _pallas_tpu() -> Backend:
   from clis_kernels import pallas_tpu, pallas_tpu_vjp
   return Backend(pallas_tpu.forward, pallas_tpu_vjp.backward, pallas_tpu.BlockSizes,
@@ -49,6 +55,7 @@ def _reference() -> Backend:
 BACKENDS: dict[str, Callable[[], Backend]] = {
     "pallas_tpu": _pallas_tpu,
     "pallas_gpu": _pallas_gpu,
+    "pallas_mgpu": _pallas_mgpu,
     "reference": _reference,
 }
 IMPLEMENTATIONS = (*BACKENDS, "xla")

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from clis_kernels import api, attention, pallas_gpu, pallas_tpu, reference, stabilizer
+from clis_kernels import api, attention, pallas_gpu, pallas_mgpu, pallas_tpu, reference, stabilizer
 from clis_train import benchmarking
 
 
@@ -108,6 +108,14 @@ def implementations(names, platform, quick):
         block_q=_tile(q, platform, quick), seq_len=q.shape[1])
   if quick or platform == "gpu":
     table["clis_kernel"] = functools.partial(_clis_kernel, quick=quick)
+  if platform == "gpu":  # the Mosaic GPU forward (no segments) and its XLA certificate (tile = 64 rows)
+    table["clis_mgpu"] = lambda q, k, v, seg, causal: attention(q, k, v, seg, causal=causal, stabilizer="clis",
+                                                                implementation="pallas_mgpu")
+    table["online_mgpu"] = lambda q, k, v, seg, causal: attention(q, k, v, seg, causal=causal, stabilizer="online",
+                                                                  implementation="pallas_mgpu")
+    table["clis_mgpu_prepass"] = lambda q, k, v, seg, causal: stabilizer.certify(
+        q, k, v, seg, causal=causal, scale=q.shape[-1] ** -0.5, tau=64.0, granularity="tile",
+        block_q=pallas_mgpu.BlockSizes().tile, seq_len=q.shape[1])
   fns, notes = {}, []
   for name in names:
     if name == "cudnn" and platform != "gpu":
@@ -124,6 +132,8 @@ def implementations(names, platform, quick):
         notes.append("splash skipped: needs a TPU")
     elif name in table:
       fns[name] = table[name]
+    elif name.endswith("_mgpu") or name == "clis_mgpu_prepass":
+      notes.append(f"{name} skipped: the Mosaic GPU kernel needs an NVIDIA Hopper GPU")
     else:
       raise SystemExit(f"--impls: unknown implementation {name!r}")
   return fns, notes
@@ -156,7 +166,8 @@ def main():
   parser.add_argument("--batch", type=int, default=1)
   parser.add_argument("--passes", nargs="+", default=["fwd", "fwd_bwd"], choices=["fwd", "fwd_bwd"])
   parser.add_argument("--impls", nargs="+",
-                      default=["clis", "clis_prepass", "clis_kernel", "online", "cudnn", "xla", "tokamax_mosaic",
+                      default=["clis", "clis_prepass", "clis_kernel", "online", "clis_mgpu", "clis_mgpu_prepass",
+                               "online_mgpu", "cudnn", "xla", "tokamax_mosaic",
                                "tokamax_triton",
                                "splash"])
   parser.add_argument("--xla-max-gb", type=float, default=16.0, help="skip dense XLA when its logits exceed this")
@@ -182,7 +193,7 @@ def main():
         continue
       if c["packed"] and (name == "cudnn" or name.startswith("tokamax_")):
         continue  # these entry points take no segment ids here
-      if name == "clis_prepass":  # the certificate alone, to split clis time into pre-pass and kernel
+      if name.endswith("prepass"):  # the certificate alone, to split clis time into pre-pass and kernel
         variants[(name, "fwd")] = functools.partial(jax.jit(functools.partial(f, causal=c["causal"])), q, k, v, seg)
         continue
       if name == "clis_kernel":  # forward only: the kernel with its pre-pass done beforehand
@@ -208,7 +219,7 @@ def main():
       name, pass_ = key.split("|")
       work = flops * (3.5 if pass_ == "fwd_bwd" else 1.0)
       records.append(dict(case=c["case"], impl=name, **{"pass": pass_}, ms=med, ms_min=lo, ms_max=hi,
-                          tflops=None if name == "clis_prepass" else work / med / 1e9, B=c["b"], S=c["s"], Hq=c["hq"], Hkv=c["hkv"], D=c["d"],
+                          tflops=None if name.endswith("prepass") else work / med / 1e9, B=c["b"], S=c["s"], Hq=c["hq"], Hkv=c["hkv"], D=c["d"],
                           causal=c["causal"], packed=c["packed"], repeat=args.repeats, inner=args.inner, **meta))
   out = args.out or benchmarking.default_output(f"attention_{'quick' if args.quick else args.suite}")
   benchmarking.write_report(records, out)

@@ -1,0 +1,295 @@
+"""CLiS attention forward as a Pallas Mosaic GPU kernel (Hopper: wgmma, TMA, warp specialisation).
+
+One CTA per (q head, q tile, batch) runs three warpgroups: two compute warpgroups, each owning
+block_q query rows, and one memory warpgroup that streams K and V blocks into `slots` shared-
+memory buffers with TMA. The two compute warpgroups take turns on the tensor cores (a shared
+"schedule" barrier): while one runs its Q·Kᵀ or P·V wgmma, the other does its softmax.
+
+Each compute warpgroup reads its tile's certificate (the XLA pre-pass, stabilizer.certify_rows,
+one tile = block_q rows) and runs one of two loops over the KV blocks:
+  certified: p = 2^(σ₂·q·kᵀ − M) with the row's fixed M; no row max, no rescale of acc and l.
+             l sums the weights before they are rounded for P·V, as the online path does: the
+             exact sum of the rounded weights (stabilizer.py, "Normalisation"; the Triton kernel's
+             choice) cost 21-27% of this kernel's time on the vector units and 7-18% on the tensor
+             cores (H200, notes/kernels.md round 3); the GPU tests bound its error by 1.25x online's.
+  otherwise: the online softmax (running max, rescale), also the whole of stabilizer="online".
+Under the causal mask the loop splits into blocks wholly below the diagonal (no mask) and the
+few that straddle it; causal q tiles run last-first so the longest start early.
+Layout: q [B, S, Hq, D], k/v [B, S, Hkv, D] (the API's); lse [B, Hq, S] f32 base 2, as the
+Triton backward (pallas_gpu_vjp) expects, which is this backend's backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from clis_kernels import pallas_gpu, pallas_gpu_vjp
+from clis_kernels.common import out_struct
+from clis_kernels.stabilizer import LOG2E, Certificate
+
+COMPUTE_WARPGROUPS = 2
+HEAD_DIMS = (64, 128)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Tiles of the Mosaic GPU forward, and of the Triton backward it shares with pallas_gpu.
+
+  block_q: rows per compute warpgroup (a CTA holds 2·block_q rows); also the certificate tile.
+  block_kv: keys per pipeline step; slots: K/V blocks in flight (shared-memory buffers).
+  """
+
+  block_q: int = 64
+  block_kv: int = 128
+  slots: int = 2
+  backward: pallas_gpu.BlockSizes = pallas_gpu.BlockSizes()
+
+  def __post_init__(self):
+    if self.block_q != 64:
+      raise ValueError(f"{self.block_q=} must be 64 (one wgmma M tile per compute warpgroup)")
+    if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
+      raise ValueError(f"{self.block_kv=} must be 64, 128, 192 or 256")
+    if self.slots < 2:
+      raise ValueError(f"{self.slots=} must be at least 2 (one block computing while the next loads)")
+    if not isinstance(self.backward, pallas_gpu.BlockSizes):
+      raise ValueError(f"backward must be a pallas_gpu.BlockSizes; got {type(self.backward).__name__}")
+
+  @property
+  def tile(self) -> int:
+    return self.block_q
+
+  @property
+  def multiple(self) -> int:
+    return max(COMPUTE_WARPGROUPS * self.block_q, self.block_kv, self.backward.multiple)
+
+
+def default_block_sizes(head_dim: int, seq_len: int, dtype) -> BlockSizes:
+  """One shape for both supported head dims (H200 sweep in notes/kernels.md); the backward's
+  tiles are pallas_gpu's."""
+  return BlockSizes(backward=pallas_gpu.default_block_sizes(head_dim, seq_len, dtype))
+
+
+def _check(q, k, segment_ids, cert, scale, interpret):
+  if interpret:
+    raise ValueError("implementation='pallas_mgpu' has no interpret mode; use implementation='pallas_gpu' "
+                     "with interpret=True to run the GPU kernels on a CPU")
+  if segment_ids is not None:
+    raise ValueError("implementation='pallas_mgpu' does not take segment_ids (packed sequences); "
+                     "use implementation='pallas_gpu' for them")
+  if q.dtype not in (jnp.bfloat16, jnp.float16):
+    raise ValueError(f"implementation='pallas_mgpu' needs bfloat16 or float16 inputs; got {q.dtype=} "
+                     "(use implementation='pallas_gpu' for float32)")
+  if q.shape[-1] not in HEAD_DIMS:
+    raise ValueError(f"head_dim={q.shape[-1]} must be one of {HEAD_DIMS} for implementation='pallas_mgpu'")
+  if not scale > 0:
+    raise ValueError(f"{scale=} must be positive for implementation='pallas_mgpu'")
+  if cert is not None and cert.certified.shape[-1] * 64 != q.shape[1]:
+    raise ValueError(f"the certificate's tile must be block_q=64 rows; got {cert.certified.shape=} for {q.shape=}")
+
+
+def _kernel(q_ref, k_ref, v_ref, *refs, fixed_mode: bool, causal: bool, sigma2: float, block_q: int, block_kv: int,
+            slots: int, kv_len: int | None, group: int):
+  if fixed_mode:
+    m_ref, cert_ref, o_ref, lse_ref = refs
+  else:
+    (o_ref, lse_ref), m_ref, cert_ref = refs, None, None
+  dtype, head_dim = q_ref.dtype, q_ref.shape[-1]
+  num_kv_blocks = k_ref.shape[1] // block_kv
+  num_q_tiles = q_ref.shape[1] // (COMPUTE_WARPGROUPS * block_q)
+  batch, head = lax.axis_index("batch"), lax.axis_index("heads")
+  q_tile = num_q_tiles - 1 - lax.axis_index("q_tiles") if causal else lax.axis_index("q_tiles")
+  cta_row0 = q_tile * (COMPUTE_WARPGROUPS * block_q)
+  blk = jnp.int32(block_kv)
+
+  def kv_range(row0, rows):
+    """(unmasked, total) kv blocks for query rows [row0, row0 + rows)."""
+    if causal:
+      return lax.div(row0, blk), jnp.minimum(pl.cdiv(row0 + rows, blk), num_kv_blocks)
+    if kv_len is not None:  # python ints: the loops get static bounds
+      return kv_len // block_kv, -(-kv_len // block_kv)
+    return num_kv_blocks, num_kv_blocks
+
+  _, cta_blocks = kv_range(cta_row0, COMPUTE_WARPGROUPS * block_q)  # what the memory warpgroup loads
+
+  def body(qo_smem, k_smem, v_smem, row_smem, k_ready, v_ready, q_ready, m_ready, k_free, v_free, schedule):
+    wg = lax.axis_index("wg")
+
+    def take_turn():  # hand the tensor cores to the other compute warpgroup and wait for them back
+      plgpu.barrier_arrive(schedule)
+      plgpu.barrier_wait(schedule)
+
+    @pl.when(wg < COMPUTE_WARPGROUPS)
+    def _compute():
+      plgpu.set_max_registers(232, action="increase")
+      q_smem, rows = qo_smem.at[wg], row_smem.at[wg]
+      row0 = cta_row0 + wg * block_q
+      full, total = kv_range(row0, block_q)
+      plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(row0, block_q), head], q_smem, q_ready.at[wg])
+      if fixed_mode:
+        plgpu.copy_gmem_to_smem(m_ref.at[batch, head, pl.ds(row0, block_q)], rows, m_ready.at[wg])
+      plgpu.barrier_wait(q_ready.at[wg])
+
+      def attend(fixed: bool):
+        if fixed:  # M is loop-invariant: the loop closes over it and carries (acc, l)
+          plgpu.barrier_wait(m_ready.at[wg])
+          m0 = plgpu.load(rows, layout=plgpu.Layout.WGMMA.reduce(1))
+        else:
+          m0 = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        l0 = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        carry = (plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), plgpu.Layout.WGMMA),
+                 *(() if fixed else (m0,)), l0)
+        plgpu.barrier_wait(k_ready.at[0])
+        pl.when(wg == 1)(take_turn)  # warpgroup 1 starts half a step behind warpgroup 0
+
+        def step(i, carry, masked: bool):
+          acc, m, l = (carry[0], m0, carry[1]) if fixed else carry
+          slot = lax.rem(i, jnp.int32(slots))
+
+          def qk_scope(acc_ref):
+            plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
+            take_turn()
+            return acc_ref[...]
+
+          qk = pl.run_scoped(qk_scope, plgpu.ACC((block_q, block_kv), jnp.float32))
+          plgpu.barrier_arrive(k_free.at[slot])
+          if masked:
+            q_pos = row0 + plgpu.broadcasted_iota(jnp.int32, qk.shape, 0, layout=plgpu.Layout.WGMMA)
+            k_pos = i * block_kv + plgpu.broadcasted_iota(jnp.int32, qk.shape, 1, layout=plgpu.Layout.WGMMA)
+            qk = jnp.where(q_pos >= k_pos if causal else k_pos < kv_len, qk, -jnp.inf)
+          if fixed:  # the certified step: one FMA and one exp2 per weight, no max, no rescale
+            p = jnp.exp2(qk * sigma2 - lax.broadcast_in_dim(m, qk.shape, [0]))
+            l = l + p.sum(axis=1)  # the unrounded weights: see the module docstring
+            p_low = p.astype(dtype)
+          else:
+            m_new = jnp.maximum(m, qk.max(axis=1) * sigma2)
+            alpha = jnp.exp2(m - m_new)
+            p = jnp.exp2(qk * sigma2 - lax.broadcast_in_dim(m_new, qk.shape, [0]))
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            l = l * alpha + p.sum(axis=1)
+            m, p_low = m_new, p.astype(dtype)
+          if fixed:
+            acc, l, p_low = lax.optimization_barrier((acc, l, p_low))
+          else:
+            acc, m, l, p_low = lax.optimization_barrier((acc, m, l, p_low))
+          plgpu.barrier_arrive(schedule)  # softmax done
+          plgpu.barrier_wait(v_ready.at[slot])
+          plgpu.barrier_wait(schedule)  # tensor cores free again
+
+          def pv(acc_ref):
+            plgpu.wgmma(acc_ref, p_low, v_smem.at[slot])
+
+            @pl.when(i + 1 < total)
+            def _():
+              plgpu.barrier_wait(k_ready.at[lax.rem(i + 1, jnp.int32(slots))])
+
+          acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+          plgpu.barrier_arrive(v_free.at[slot])
+          return (acc, l) if fixed else (acc, m, l)
+
+        masked_steps = causal or kv_len is not None
+        carry = lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
+        if masked_steps:
+          carry = lax.fori_loop(full, total, functools.partial(step, masked=True), carry)
+        if causal:  # blocks the other warpgroup still needs: release them and keep taking turns
+          def drain(i, _):
+            slot = lax.rem(i, jnp.int32(slots))
+            plgpu.barrier_arrive(k_free.at[slot])
+            plgpu.barrier_arrive(v_free.at[slot])
+            take_turn()
+            take_turn()
+
+          lax.fori_loop(total, cta_blocks, drain, None)
+        pl.when(wg == 0)(take_turn)
+        acc, m, l = (carry[0], m0, carry[1]) if fixed else carry
+        q_smem[...] = (acc * lax.broadcast_in_dim(1.0 / l, acc.shape, [0])).astype(dtype)
+        rows[...] = m + jnp.log2(l)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_smem, o_ref.at[batch, pl.ds(row0, block_q), head])
+        plgpu.copy_smem_to_gmem(rows, lse_ref.at[batch, head, pl.ds(row0, block_q)])
+        plgpu.wait_smem_to_gmem(0)
+
+      if fixed_mode:
+        certified = cert_ref[batch, head, q_tile * COMPUTE_WARPGROUPS + wg] != 0
+        pl.when(certified)(lambda: attend(True))
+        pl.when(jnp.logical_not(certified))(lambda: attend(False))
+      else:
+        attend(False)
+
+    @pl.when(wg == COMPUTE_WARPGROUPS)
+    def _memory():
+      plgpu.set_max_registers(40, action="decrease")
+      kv_head = lax.div(head, jnp.int32(group))
+
+      def load(block, slot):
+        where = (batch, pl.ds(block * block_kv, block_kv), kv_head)
+        plgpu.copy_gmem_to_smem(k_ref.at[where], k_smem.at[slot], k_ready.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[where], v_smem.at[slot], v_ready.at[slot])
+
+      for slot in range(slots):
+        pl.when(slot < cta_blocks)(functools.partial(load, slot, slot))
+
+      @pl.loop(slots, cta_blocks)
+      def _(block):
+        slot = lax.rem(block, jnp.int32(slots))
+        plgpu.barrier_wait(k_free.at[slot])
+        plgpu.barrier_wait(v_free.at[slot])
+        load(block, slot)
+
+  swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  pl.run_scoped(
+      body,
+      plgpu.SMEM((COMPUTE_WARPGROUPS, block_q, head_dim), dtype, transforms=swizzled),  # q, then o
+      plgpu.SMEM((slots, block_kv, head_dim), dtype, transforms=swizzled),  # k blocks
+      plgpu.SMEM((slots, block_kv, head_dim), dtype, transforms=swizzled),  # v blocks
+      plgpu.SMEM((COMPUTE_WARPGROUPS, block_q), jnp.float32),  # M in, lse out
+      plgpu.Barrier(num_barriers=slots),  # k_ready
+      plgpu.Barrier(num_barriers=slots),  # v_ready
+      plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS),  # q_ready
+      plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS),  # m_ready
+      plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=slots),  # k_free
+      plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=slots),  # v_free
+      plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS),  # schedule
+      collective_axes="wg",
+  )
+
+
+def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv_len, block_sizes: BlockSizes,
+            interpret=False):
+  """Returns (o [B, S, Hq, D], lse [B, Hq, S] f32 base 2, certified tiles [B, Hq, S/64] or None).
+
+  cert: the XLA pre-pass's Certificate (stabilizer="clis") or None (stabilizer="online").
+  S must be a multiple of block_sizes.multiple (the API pads).
+  """
+  _check(q, k, segment_ids, cert, scale, interpret)
+  batch, seq, num_heads, _ = q.shape
+  bs = block_sizes
+  if seq % bs.multiple or k.shape[1] % bs.multiple:
+    raise ValueError(f"{bs.multiple=} must divide the padded lengths {q.shape[1]=} and {k.shape[1]=}")
+  kernel = functools.partial(
+      _kernel, fixed_mode=cert is not None, causal=causal, sigma2=scale * LOG2E, block_q=bs.block_q,
+      block_kv=bs.block_kv, slots=min(bs.slots, k.shape[1] // bs.block_kv), kv_len=kv_len,
+      group=num_heads // k.shape[2])
+  args = [q, k, v] if cert is None else [q, k, v, cert.m, cert.certified.astype(jnp.int32)]
+  o, lse = plgpu.kernel(
+      kernel,
+      out_type=(out_struct(q.shape, q.dtype, q), out_struct((batch, num_heads, seq), jnp.float32, q)),
+      grid=(num_heads, seq // (COMPUTE_WARPGROUPS * bs.block_q), batch),
+      grid_names=("heads", "q_tiles", "batch"),
+      num_threads=COMPUTE_WARPGROUPS + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )(*args)
+  return o, lse, None if cert is None else cert.certified
+
+
+def backward(q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_sizes: BlockSizes, interpret=False):
+  """The Triton backward (pallas_gpu_vjp) from this forward's o and base-2 lse."""
+  return pallas_gpu_vjp.backward(q, k, v, segment_ids, o, lse, do, causal=causal, scale=scale, kv_len=kv_len,
+                                 block_sizes=block_sizes.backward, interpret=interpret)

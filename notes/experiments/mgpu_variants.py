@@ -1,0 +1,72 @@
+"""H200 experiment: where the Mosaic GPU CLiS forward spends its time (notes/kernels.md, round 3).
+
+Run 1-3 (row_sum knob, since removed): how a certified row sums its weights — "rounded"
+(Σ f32(bf16(p)) on the vector units), "mma" (Σ bf16(p) by the tensor cores, p·ones[block_kv, 16]),
+"f32" (Σ p before rounding, as the online path; committed). Runs 1-3 printed NaN for rounded/f32:
+an edit had overwritten their M with −inf (the timings of those runs are still the kernels' cost,
+the outputs were wrong); fixed before the final run, which times the committed kernel only.
+Times each kernel alone (pre-pass outside the timed call), the XLA pre-pass, and the online
+kernel, interleaved; prints each output's relative L2 difference from the online kernel's.
+
+  python notes/experiments/mgpu_variants.py --out $OUT/mgpu_variants.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import jax
+import jax.numpy as jnp
+
+from clis_kernels import pallas_mgpu, stabilizer
+from clis_train import benchmarking
+
+CASES = {"causal_S8192_H32_8": (8192, 32, 8, True), "bidir_S32768_H12": (32768, 12, 12, False)}
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--out", required=True)
+  parser.add_argument("--repeats", type=int, default=15)
+  parser.add_argument("--inner", type=int, default=10)
+  args = parser.parse_args()
+  records = []
+  for case, (s, hq, hkv, causal) in CASES.items():
+    kq, kk, kv, kc = jax.random.split(jax.random.PRNGKey(0), 4)
+    q = jax.random.normal(kq, (1, s, hq, 128), jnp.bfloat16)
+    k = (jax.random.normal(kk, (1, s, hkv, 128)) + jax.random.normal(kc, (1, 1, hkv, 128))).astype(jnp.bfloat16)
+    v = jax.random.normal(kv, (1, s, hkv, 128), jnp.bfloat16)
+    bs = pallas_mgpu.default_block_sizes(128, s, jnp.bfloat16)
+    scale = 128 ** -0.5
+    certify = jax.jit(lambda q, k, v: stabilizer.certify(q, k, v, None, causal=causal, scale=scale, tau=64.0,
+                                                         granularity="tile", block_q=bs.tile, seq_len=s))
+    cert = certify(q, k, v)
+    print(case, "certified fraction", float(cert.certified.mean()), flush=True)
+
+    def kernel(cert):
+      f = jax.jit(lambda q, k, v, cert: pallas_mgpu.forward(q, k, v, None, cert, causal=causal, scale=scale,
+                                                            kv_len=None, block_sizes=bs)[0])
+      return lambda: f(q, k, v, cert)
+
+    fns = {"online": kernel(None), "clis": kernel(cert), "prepass": lambda: certify(q, k, v)}
+    base = fns["online"]().astype(jnp.float32)
+    diffs = {}
+    for name, fn in fns.items():
+      if name != "prepass":
+        out = fn().astype(jnp.float32)
+        diffs[name] = float(jnp.linalg.norm(out - base) / jnp.linalg.norm(base))
+    timings = benchmarking.interleaved_medians(fns, repeats=args.repeats, inner=args.inner)
+    for name, (med, lo, hi) in timings.items():
+      ratio = timings["online"][0] / med
+      print(f"{case:22s} {name:18s} {med:8.3f} ms [{lo:.3f}, {hi:.3f}]  online/this {ratio:.3f}  "
+            f"diff vs online {diffs.get(name, float('nan')):.2e}", flush=True)
+      records.append(dict(case=case, impl=name, ms=med, ms_min=lo, ms_max=hi, rel_diff_vs_online=diffs.get(name),
+                          S=s, Hq=hq, Hkv=hkv, D=128, causal=causal, repeat=args.repeats, inner=args.inner,
+                          **benchmarking.device_meta()))
+    with open(args.out, "w") as f:
+      json.dump(records, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()

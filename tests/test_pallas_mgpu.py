@@ -1,0 +1,130 @@
+"""The Mosaic GPU forward (pallas_mgpu): lowering and input checks on the CPU, numerics on a Hopper GPU.
+
+Mosaic GPU has no interpret mode, so on the CPU the kernel is traced and lowered for an H200
+(which catches layout, barrier and shape errors); the float64 comparisons run where a GPU is
+present (`pytest tests/test_pallas_mgpu.py` on the device machine; BENCHMARKS.md has the run).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import f64_reference as ref
+from attention_base import CLIS_VS_ONLINE, TOLERANCE, random_inputs
+from clis_kernels import attention, pallas_gpu, pallas_mgpu
+
+ON_GPU = jax.devices()[0].platform == "gpu"
+needs_gpu = pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernels run on an NVIDIA Hopper GPU only")
+
+
+def _lower_for_h200(fn, *args):
+  device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+  mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,), abstract_device=device)
+  with jax.sharding.use_abstract_mesh(mesh):
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
+@pytest.mark.parametrize("causal,seq,d,stabilizer", [(True, 256, 128, "clis"), (True, 256, 64, "online"),
+                                                     (False, 200, 128, "clis"), (False, 256, 64, "online")])
+def test_kernel_lowers_for_the_gpu(monkeypatch, causal, seq, d, stabilizer):
+  """Forward (Mosaic GPU) and backward (Triton) lower for an H200, odd lengths padded and masked."""
+  monkeypatch.setattr("clis_kernels.api._platform", lambda: "gpu")
+  q = jax.ShapeDtypeStruct((1, seq, 8, d), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, seq, 2, d), jnp.bfloat16)
+
+  def loss(q, k, v):
+    out = attention(q, k, v, causal=causal, stabilizer=stabilizer, implementation="pallas_mgpu")
+    return out.astype(jnp.float32).sum()
+
+  text = _lower_for_h200(jax.grad(loss, argnums=(0, 1, 2)), q, k, k)
+  assert "mosaic_gpu" in text
+  for name in ("clis_bwd_dq", "clis_bwd_dkv"):
+    assert name in text
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(segment_ids=jnp.ones((1, 128), jnp.int32)), "does not take segment_ids"),
+    (dict(dtype=jnp.float32), "needs bfloat16 or float16"),
+    (dict(d=96), "head_dim=96 must be one of"),
+    (dict(interpret=True), "has no interpret mode"),
+    (dict(scale=-1.0), "must be positive"),
+])
+def test_unsupported_inputs_get_one_clear_error(monkeypatch, kwargs, message):
+  monkeypatch.setattr("clis_kernels.api._platform", lambda: "gpu")
+  d, dtype = kwargs.pop("d", 64), kwargs.pop("dtype", jnp.bfloat16)
+  q = jnp.zeros((1, 128, 2, d), dtype)
+  with pytest.raises(ValueError, match=message):
+    jax.eval_shape(lambda q: attention(q, q, q, implementation="pallas_mgpu", **kwargs), q)
+
+
+@pytest.mark.parametrize("kwargs,message", [(dict(block_q=128), "block_q=128 must be 64"),
+                                            (dict(block_kv=96), "block_kv=96 must be"),
+                                            (dict(slots=1), "slots=1 must be at least 2"),
+                                            (dict(backward=None), "backward must be a pallas_gpu.BlockSizes")])
+def test_block_sizes_are_validated(kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    pallas_mgpu.BlockSizes(**kwargs)
+
+
+def test_padding_multiple_covers_both_warpgroups_and_the_backward():
+  bs = pallas_mgpu.BlockSizes(block_kv=256, backward=pallas_gpu.BlockSizes(block_q=128, block_k=128))
+  assert bs.tile == 64 and bs.multiple == 256
+
+
+# name, batch, seq, q heads, kv heads, head dim, causal
+GPU_CASES = [
+    ("causal_gqa4_d128", 2, 1024, 8, 2, 128, True),
+    ("causal_mha_d64_odd", 1, 1000, 4, 4, 64, True),
+    ("bidir_mha_d128_odd", 1, 1000, 4, 4, 128, False),
+    ("bidir_gqa2_d64", 1, 768, 4, 2, 64, False),
+]
+
+
+@needs_gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
+def test_forward_and_gradients_match_float64_on_gpu(case):
+  name, batch, seq, hq, hkv, d, causal = case
+  q, k, v, do = random_inputs(len(name), batch, seq, hq, hkv, d, jnp.bfloat16)
+  want = ref.attention(q, k, v, do, causal=causal)
+  errors = {}
+  for stabilizer in ("clis", "online"):
+    f = lambda q, k, v: attention(q, k, v, causal=causal, stabilizer=stabilizer, implementation="pallas_mgpu")
+    out, vjp = jax.vjp(f, q, k, v)
+    got = (out, *vjp(do))
+    assert all(bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in got)
+    errors[stabilizer] = [ref.rel_err(g, w) for g, w in zip(got, want)]
+    assert errors[stabilizer][0] < TOLERANCE[jnp.bfloat16][0], (stabilizer, errors)
+    assert max(errors[stabilizer][1:]) < TOLERANCE[jnp.bfloat16][1], (stabilizer, errors)
+  assert errors["clis"][0] <= CLIS_VS_ONLINE * errors["online"][0], errors
+  _, stats = attention(q, k, v, causal=causal, implementation="pallas_mgpu", return_stats=True)
+  assert float(stats.certified_fraction) == 1.0
+
+
+@needs_gpu
+def test_attention_sink_falls_back_per_warpgroup_tile_and_stays_exact_on_gpu():
+  q, k, v, do = random_inputs(1, 1, 1024, 4, 1, 128, jnp.bfloat16)
+  sink = 600
+  k = k.at[:, sink].set((1e3 * k[:, sink] / jnp.linalg.norm(k[:, sink].astype(jnp.float32), axis=-1,
+                                                              keepdims=True)).astype(k.dtype))
+  out, stats = attention(q, k, v, causal=True, implementation="pallas_mgpu", return_stats=True)
+  tiles = np.asarray(stats.certified_tiles[0, 0])
+  last_row = np.arange(len(tiles)) * 64 + 63
+  np.testing.assert_array_equal(tiles[last_row < sink], True)
+  np.testing.assert_array_equal(tiles[last_row >= sink], False)
+  want = ref.attention(q, k, v, do, causal=True)[0]
+  online = attention(q, k, v, causal=True, stabilizer="online", implementation="pallas_mgpu")
+  assert ref.rel_err(out, want) < TOLERANCE[jnp.bfloat16][0]
+  assert ref.rel_err(out, want) <= CLIS_VS_ONLINE * ref.rel_err(online, want)
+
+
+@needs_gpu
+def test_matches_the_triton_backend_on_gpu():
+  q, k, v, _ = random_inputs(7, 1, 2048, 8, 2, 128, jnp.bfloat16)
+  for causal in (True, False):
+    mosaic = attention(q, k, v, causal=causal, implementation="pallas_mgpu").astype(jnp.float32)
+    triton = attention(q, k, v, causal=causal, implementation="pallas_gpu").astype(jnp.float32)
+    assert float(jnp.abs(mosaic - triton).max()) < 2e-2
