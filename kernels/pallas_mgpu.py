@@ -10,8 +10,9 @@ one tile = block_q rows) and runs one of two loops over the KV blocks:
   certified: p = 2^(σ₂·q·kᵀ − M) with the row's fixed M; no row max, no rescale of acc and l.
              l sums the weights before they are rounded for P·V, as the online path does: the
              exact sum of the rounded weights (stabilizer.py, "Normalisation"; the Triton kernel's
-             choice) cost 21-27% of this kernel's time on the vector units and 7-18% on the tensor
-             cores (H200, notes/kernels.md round 3); the GPU tests bound its error by 1.25x online's.
+             choice) made this kernel 1.34-1.43x slower on the vector units and 1.01-1.32x on the
+             tensor cores (H200, notes/kernels.md round 3); the GPU tests bound its error by 1.25x
+             online's.
   otherwise: the online softmax (running max, rescale), also the whole of stabilizer="online".
 Under the causal mask the loop splits into blocks wholly below the diagonal (no mask) and the
 few that straddle it; causal q tiles run last-first so the longest start early.

@@ -44,7 +44,9 @@ rounded weights, so the output is an exact weighted mean of V under slightly per
 weights (the online path gets this for free for its dominant weight, 2^0 = 1, which rounds
 exactly; a fixed stabilizer puts the dominant weight anywhere, and dividing by the unrounded
 sum cost bf16 up to 1.25x the online path's error on short rows). The saved lse uses the
-same sum (gradients stay within 1.1x of the online path's error; notes/kernels.md).
+same sum (gradients stay within 1.1x of the online path's error; notes/kernels.md). The Mosaic
+GPU kernel (pallas_mgpu.py) is the one exception: there the exact sum costs a third of its
+time, so it divides by the unrounded sum as the online path does (error bounded by its tests).
 
 Certificate. A row passes when U_i − L_i ≤ min(τ·log2 e, h + T), τ being the user's cap in
 natural-log units. A tile (batch, head, q-block) is certified when all its real rows pass
