@@ -128,3 +128,18 @@ def test_matches_the_triton_backend_on_gpu():
     mosaic = attention(q, k, v, causal=causal, implementation="pallas_mgpu").astype(jnp.float32)
     triton = attention(q, k, v, causal=causal, implementation="pallas_gpu").astype(jnp.float32)
     assert float(jnp.abs(mosaic - triton).max()) < 2e-2
+
+
+@needs_gpu
+@pytest.mark.parametrize("block_kv,slots", [(128, 2), (64, 2), (64, 3), (64, 4)])
+def test_every_tile_config_is_exact_on_gpu(block_kv, slots):
+  bs = pallas_mgpu.BlockSizes(block_kv=block_kv, slots=slots)
+  for causal, seq in ((True, 640), (False, 1000)):
+    q, k, v, do = random_inputs(seq + slots, 1, seq, 4, 2, 128, jnp.bfloat16)
+    want = ref.attention(q, k, v, do, causal=causal)[0]
+    err = {}
+    for stabilizer in ("clis", "online"):
+      out = attention(q, k, v, causal=causal, stabilizer=stabilizer, implementation="pallas_mgpu", block_sizes=bs)
+      err[stabilizer] = ref.rel_err(out, want)
+      assert err[stabilizer] < TOLERANCE[jnp.bfloat16][0], (causal, err)
+    assert err["clis"] <= CLIS_VS_ONLINE * err["online"], (causal, err)

@@ -1,0 +1,69 @@
+"""H200 sweep: tiles of the Mosaic GPU forward (block_kv, slots), certified vs online loop.
+
+For each case and each BlockSizes(block_kv, slots) that fits in shared memory, times the kernel
+alone with the XLA certificate (clis) and without (online), all interleaved in one run; prints each
+config's output difference from the default online kernel's. The tuned ratio is
+best clis / best online (each loop gets its own best tiles).
+
+  python notes/experiments/mgpu_tune.py --out $OUT/mgpu_tune.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import jax
+import jax.numpy as jnp
+
+from clis_kernels import pallas_mgpu, stabilizer
+from clis_train import benchmarking
+
+CASES = {"bidir_S32768_H12": (32768, 12, 12, False), "causal_S8192_H32_8": (8192, 32, 8, True)}
+CONFIGS = [(128, 2), (64, 2), (64, 3), (64, 4)]
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--out", required=True)
+  parser.add_argument("--repeats", type=int, default=10)
+  parser.add_argument("--inner", type=int, default=5)
+  args = parser.parse_args()
+  records = []
+  for case, (s, hq, hkv, causal) in CASES.items():
+    kq, kk, kv, kc = jax.random.split(jax.random.PRNGKey(0), 4)
+    q = jax.random.normal(kq, (1, s, hq, 128), jnp.bfloat16)
+    k = (jax.random.normal(kk, (1, s, hkv, 128)) + jax.random.normal(kc, (1, 1, hkv, 128))).astype(jnp.bfloat16)
+    v = jax.random.normal(kv, (1, s, hkv, 128), jnp.bfloat16)
+    scale = 128 ** -0.5
+    cert = jax.jit(lambda q, k, v: stabilizer.certify(q, k, v, None, causal=causal, scale=scale, tau=64.0,
+                                                      granularity="tile", block_q=64, seq_len=s))(q, k, v)
+    fns, outs = {}, {}
+    for bkv, slots in CONFIGS:
+      bs = pallas_mgpu.BlockSizes(block_kv=bkv, slots=slots)
+      for name, c in (("clis", cert), ("online", None)):
+        f = jax.jit(lambda q, k, v, c, bs=bs: pallas_mgpu.forward(q, k, v, None, c, causal=causal, scale=scale,
+                                                                  kv_len=None, block_sizes=bs)[0])
+        key = f"{name}_kv{bkv}_s{slots}"
+        try:
+          outs[key] = f(q, k, v, c).astype(jnp.float32)
+          fns[key] = lambda f=f, c=c: f(q, k, v, c)
+        except Exception as e:  # noqa: BLE001 — a config over the shared-memory limit fails to compile
+          print(case, key, "failed:", type(e).__name__, str(e)[:200], flush=True)
+    base = outs["online_kv128_s2"]
+    timings = benchmarking.interleaved_medians(fns, repeats=args.repeats, inner=args.inner)
+    best = {n: min((t[0], key) for key, t in timings.items() if key.startswith(n)) for n in ("clis", "online")}
+    for key, (med, lo, hi) in sorted(timings.items(), key=lambda kv: kv[1][0]):
+      diff = float(jnp.linalg.norm(outs[key] - base) / jnp.linalg.norm(base))
+      print(f"{case:20s} {key:18s} {med:8.3f} ms [{lo:.3f}, {hi:.3f}]  diff vs online default {diff:.2e}", flush=True)
+      records.append(dict(case=case, impl=key, ms=med, ms_min=lo, ms_max=hi, rel_diff_vs_online=diff, S=s, Hq=hq,
+                          Hkv=hkv, D=128, causal=causal, repeat=args.repeats, inner=args.inner,
+                          **benchmarking.device_meta()))
+    print(f"{case}: best clis {best['clis'][1]} {best['clis'][0]:.3f} ms, best online {best['online'][1]} "
+          f"{best['online'][0]:.3f} ms, tuned ratio {best['online'][0] / best['clis'][0]:.3f}x", flush=True)
+    with open(args.out, "w") as f:
+      json.dump(records, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
