@@ -55,8 +55,8 @@ class BlockSizes:
   def __post_init__(self):
     if self.block_q != 64:
       raise ValueError(f"{self.block_q=} must be 64 (one wgmma M tile per compute warpgroup)")
-    if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
-      raise ValueError(f"{self.block_kv=} must be 64, 128, 192 or 256")
+    if self.block_kv not in (64, 128):
+      raise ValueError(f"{self.block_kv=} must be 64 or 128 (larger K/V blocks overflow shared memory at D=128)")
     if self.slots < 2:
       raise ValueError(f"{self.slots=} must be at least 2 (one block computing while the next loads)")
     if not isinstance(self.backward, pallas_gpu.BlockSizes):

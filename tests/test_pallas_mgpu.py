@@ -62,7 +62,7 @@ def test_unsupported_inputs_get_one_clear_error(monkeypatch, kwargs, message):
 
 
 @pytest.mark.parametrize("kwargs,message", [(dict(block_q=128), "block_q=128 must be 64"),
-                                            (dict(block_kv=96), "block_kv=96 must be"),
+                                            (dict(block_kv=256), "block_kv=256 must be 64 or 128"),
                                             (dict(slots=1), "slots=1 must be at least 2"),
                                             (dict(backward=None), "backward must be a pallas_gpu.BlockSizes")])
 def test_block_sizes_are_validated(kwargs, message):
@@ -71,8 +71,9 @@ def test_block_sizes_are_validated(kwargs, message):
 
 
 def test_padding_multiple_covers_both_warpgroups_and_the_backward():
-  bs = pallas_mgpu.BlockSizes(block_kv=256, backward=pallas_gpu.BlockSizes(block_q=128, block_k=128))
+  bs = pallas_mgpu.BlockSizes(block_kv=64, backward=pallas_gpu.BlockSizes(block_q=256, block_k=128))
   assert bs.tile == 64 and bs.multiple == 256
+  assert pallas_mgpu.BlockSizes(block_kv=64).multiple == 128  # two warpgroups of 64 rows
 
 
 # name, batch, seq, q heads, kv heads, head dim, causal
