@@ -89,6 +89,15 @@ def _clis_kernel(q, k, v, seg, causal, quick):
   return lambda: run(qp, kp, vp, segp, keys)
 
 
+def _mgpu_prepass(q, k, v, seg, causal):
+  """The Mosaic GPU path's XLA certificate, on inputs padded as the API pads them."""
+  bs = pallas_mgpu.default_block_sizes(q.shape[-1], q.shape[1], q.dtype)
+  pad = lambda x: api._pad_seq(x, bs.multiple)
+  return stabilizer.certify(pad(q), pad(k), pad(v), None if seg is None else pad(seg), causal=causal,
+                            scale=q.shape[-1] ** -0.5, tau=64.0, granularity="tile", block_q=bs.tile,
+                            seq_len=q.shape[1])
+
+
 def implementations(names, platform, quick):
   """{name: f(q, k, v, seg, causal)} for the names this platform can run, and notes on the rest."""
   ours = dict(implementation="pallas_gpu", interpret=True) if quick else {}
@@ -113,9 +122,7 @@ def implementations(names, platform, quick):
                                                                 implementation="pallas_mgpu")
     table["online_mgpu"] = lambda q, k, v, seg, causal: attention(q, k, v, seg, causal=causal, stabilizer="online",
                                                                   implementation="pallas_mgpu")
-    table["clis_mgpu_prepass"] = lambda q, k, v, seg, causal: stabilizer.certify(
-        q, k, v, seg, causal=causal, scale=q.shape[-1] ** -0.5, tau=64.0, granularity="tile",
-        block_q=pallas_mgpu.BlockSizes().tile, seq_len=q.shape[1])
+    table["clis_mgpu_prepass"] = _mgpu_prepass
   fns, notes = {}, []
   for name in names:
     if name == "cudnn" and platform != "gpu":
