@@ -31,6 +31,15 @@ CASES = [
 ]
 
 
+def lower_for_h200(fn, *args):
+  """Lowers fn for an H200 on a machine with no GPU (Pallas's Triton and Mosaic GPU backends both
+  lower in Python), so ops a GPU backend cannot lower fail in CI rather than on the device."""
+  device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+  mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,), abstract_device=device)
+  with jax.sharding.use_abstract_mesh(mesh):
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
 def random_inputs(seed, batch, seq, hq, hkv, d, dtype, *, key_offset=0.5):
   """q, k, v, dout; keys share a common component, as in trained models."""
   kq, kk, kv, kd, kc = jax.random.split(jax.random.PRNGKey(seed), 5)

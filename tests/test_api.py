@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import f64_reference as ref
-from attention_base import random_inputs
+from attention_base import lower_for_h200, random_inputs
 from clis_kernels import attention, pallas_gpu, pallas_tpu, reference
 
 q0 = jnp.zeros((2, 32, 4, 64), jnp.float32)
@@ -112,14 +112,6 @@ def test_shard_map_over_batch_and_heads(implementation, check_vma):
     assert ref.rel_err(g, w) < 5e-5
 
 
-def _lower_for_h200(fn, *args):
-  """Lowers through Pallas's Triton backend to Triton IR for an H200, on a machine with no GPU."""
-  device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-  mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,), abstract_device=device)
-  with jax.sharding.use_abstract_mesh(mesh):
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-
-
 @pytest.mark.parametrize("causal,packed,dtype", [(True, False, jnp.bfloat16), (True, True, jnp.bfloat16),
                                                  (False, False, jnp.float32), (False, True, jnp.bfloat16)])
 def test_triton_kernels_lower_for_the_gpu(monkeypatch, causal, packed, dtype):
@@ -133,6 +125,6 @@ def test_triton_kernels_lower_for_the_gpu(monkeypatch, causal, packed, dtype):
     out = attention(q, k, v, seg, causal=causal, implementation="pallas_gpu")
     return out.astype(jnp.float32).sum()
 
-  text = _lower_for_h200(jax.grad(loss, argnums=(0, 1, 2)), q, k, k, seg)
+  text = lower_for_h200(jax.grad(loss, argnums=(0, 1, 2)), q, k, k, seg)
   for name in ("clis_fwd", "clis_bwd_dq", "clis_bwd_dkv"):
     assert name in text

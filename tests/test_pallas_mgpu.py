@@ -13,18 +13,11 @@ import numpy as np
 import pytest
 
 import f64_reference as ref
-from attention_base import CLIS_VS_ONLINE, TOLERANCE, random_inputs
+from attention_base import CLIS_VS_ONLINE, TOLERANCE, lower_for_h200, random_inputs
 from clis_kernels import attention, pallas_gpu, pallas_mgpu
 
 ON_GPU = jax.devices()[0].platform == "gpu"
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernels run on an NVIDIA Hopper GPU only")
-
-
-def _lower_for_h200(fn, *args):
-  device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-  mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,), abstract_device=device)
-  with jax.sharding.use_abstract_mesh(mesh):
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 @pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
@@ -40,7 +33,7 @@ def test_kernel_lowers_for_the_gpu(monkeypatch, causal, seq, d, stabilizer):
     out = attention(q, k, v, causal=causal, stabilizer=stabilizer, implementation="pallas_mgpu")
     return out.astype(jnp.float32).sum()
 
-  text = _lower_for_h200(jax.grad(loss, argnums=(0, 1, 2)), q, k, k)
+  text = lower_for_h200(jax.grad(loss, argnums=(0, 1, 2)), q, k, k)
   assert "mosaic_gpu" in text
   for name in ("clis_bwd_dq", "clis_bwd_dkv"):
     assert name in text
