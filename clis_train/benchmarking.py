@@ -63,7 +63,7 @@ def plot(records: list[dict], path: pathlib.Path, value: str = "tflops") -> None
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   groups = sorted({(r["case"], r["pass"]) for r in records})
-  impls = sorted({r["impl"] for r in records})
+  impls = sorted({r["impl"] for r in records if r.get(value) is not None})  # pre-pass rows have no rate
   fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(groups) * len(impls) / 2), 4))
   width = 0.8 / max(len(impls), 1)
   for i, impl in enumerate(impls):
@@ -75,7 +75,7 @@ def plot(records: list[dict], path: pathlib.Path, value: str = "tflops") -> None
   ax.set_ylabel(value)
   meta = records[0]
   ax.set_title(f"{meta.get('device', '')}, JAX {meta.get('jax_version', '')}, {meta.get('date', '')}", fontsize=9)
-  ax.legend(fontsize=8)
+  ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: bars stay visible
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
