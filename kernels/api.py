@@ -39,7 +39,7 @@ def _pallas_gpu() -> Backend:
 def _pallas_mgpu() -> Backend:
   from clis_kernels import pallas_mgpu
   return Backend(pallas_mgpu.forward, pallas_mgpu.backward, pallas_mgpu.BlockSizes,
-                 pallas_mgpu.default_block_sizes, ("gpu",), False)
+                 pallas_mgpu.default_block_sizes, ("gpu",), True)
 
 
 def _pallas_tpu() -> Backend:

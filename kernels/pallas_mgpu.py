@@ -5,8 +5,9 @@ block_q query rows, and one memory warpgroup that streams K and V blocks into `s
 memory buffers with TMA. The two compute warpgroups take turns on the tensor cores (a shared
 "schedule" barrier): while one runs its Q·Kᵀ or P·V wgmma, the other does its softmax.
 
-Each compute warpgroup reads its tile's certificate (the XLA pre-pass, stabilizer.certify_rows,
-one tile = block_q rows) and runs one of two loops over the KV blocks:
+Each compute warpgroup certifies its block_q rows in its prologue from the q tile it has loaded
+and the K/V pre-pass (stabilizer.key_bounds → row_bounds; no pass over q outside the kernel), or
+reads the XLA certificate (granularity="head"), and runs one of two loops over the KV blocks:
   certified: p = 2^(σ₂·q·kᵀ − M) with the row's fixed M; no row max, no rescale of acc and l.
              l sums the weights before they are rounded for P·V, as the online path does: the
              exact sum of the rounded weights (stabilizer.py, "Normalisation"; the Triton kernel's
@@ -33,7 +34,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from clis_kernels import pallas_gpu, pallas_gpu_vjp
 from clis_kernels.common import out_struct
-from clis_kernels.stabilizer import LOG2E, Certificate
+from clis_kernels.stabilizer import LOG2E, Certificate, KeyBounds, row_bounds
 
 COMPUTE_WARPGROUPS = 2
 HEAD_DIMS = (64, 128)
@@ -95,12 +96,15 @@ def _check(q, k, segment_ids, cert, scale, interpret):
     raise ValueError(f"the certificate's tile must be block_q=64 rows; got {cert.certified.shape=} for {q.shape=}")
 
 
-def _kernel(q_ref, k_ref, v_ref, *refs, fixed_mode: bool, causal: bool, sigma2: float, block_q: int, block_kv: int,
+def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, block_q: int, block_kv: int,
             slots: int, kv_len: int | None, group: int):
-  if fixed_mode:
+  m_ref = cert_ref = centre_ref = radius_ref = stats_ref = flags_ref = None
+  if mode == "cert":
     m_ref, cert_ref, o_ref, lse_ref = refs
+  elif mode == "keys":
+    centre_ref, radius_ref, stats_ref, o_ref, lse_ref, flags_ref = refs
   else:
-    (o_ref, lse_ref), m_ref, cert_ref = refs, None, None
+    o_ref, lse_ref = refs
   dtype, head_dim = q_ref.dtype, q_ref.shape[-1]
   num_kv_blocks = k_ref.shape[1] // block_kv
   num_q_tiles = q_ref.shape[1] // (COMPUTE_WARPGROUPS * block_q)
@@ -119,8 +123,10 @@ def _kernel(q_ref, k_ref, v_ref, *refs, fixed_mode: bool, causal: bool, sigma2: 
 
   _, cta_blocks = kv_range(cta_row0, COMPUTE_WARPGROUPS * block_q)  # what the memory warpgroup loads
 
-  def body(qo_smem, k_smem, v_smem, row_smem, k_ready, v_ready, q_ready, m_ready, k_free, v_free, schedule):
+  def body(qo_smem, k_smem, v_smem, row_smem, k_ready, v_ready, q_ready, m_ready, k_free, v_free, schedule,
+           *keys_scratch):
     wg = lax.axis_index("wg")
+    kv_head = lax.div(head, jnp.int32(group))
 
     def take_turn():  # hand the tensor cores to the other compute warpgroup and wait for them back
       plgpu.barrier_arrive(schedule)
@@ -132,13 +138,45 @@ def _kernel(q_ref, k_ref, v_ref, *refs, fixed_mode: bool, causal: bool, sigma2: 
       q_smem, rows = qo_smem.at[wg], row_smem.at[wg]
       row0 = cta_row0 + wg * block_q
       full, total = kv_range(row0, block_q)
+      tile = q_tile * COMPUTE_WARPGROUPS + wg  # this warpgroup's certificate tile
       plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(row0, block_q), head], q_smem, q_ready.at[wg])
-      if fixed_mode:
+      if mode == "cert":
         plgpu.copy_gmem_to_smem(m_ref.at[batch, head, pl.ds(row0, block_q)], rows, m_ready.at[wg])
+      if mode == "keys":
+        centre_smem, kdiag_smem, flag_smem, kdiag_ready = keys_scratch
+        plgpu.copy_gmem_to_smem(centre_ref.at[batch, 0, kv_head], centre_smem.at[wg], m_ready.at[wg])
+        if causal:  # each row's own key: the lower bound L = t_ii
+          plgpu.copy_gmem_to_smem(k_ref.at[batch, pl.ds(row0, block_q), kv_head], kdiag_smem.at[wg],
+                                  kdiag_ready.at[wg])
       plgpu.barrier_wait(q_ready.at[wg])
 
-      def attend(fixed: bool):
-        if fixed:  # M is loop-invariant: the loop closes over it and carries (acc, l)
+      def certify_here():
+        """(M, certified) of this warpgroup's rows from the K/V pre-pass (stabilizer.row_bounds and
+        stabilize, as the Triton kernel's prologue); the flag goes out per row for the stats."""
+        plgpu.barrier_wait(m_ready.at[wg])
+        q = plgpu.load(q_smem, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+        centre = plgpu.load(centre_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(0))
+        k_diag = None
+        if causal:
+          plgpu.barrier_wait(kdiag_ready.at[wg])
+          k_diag = plgpu.load(kdiag_smem.at[wg], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+        upper, lower = row_bounds(q, lax.broadcast_in_dim(centre, q.shape, [1]),
+                                  radius_ref[batch, kv_head, tile if causal else 0], k_diag, sigma2=sigma2)
+        # stabilize() without its padding mask: padded rows are zero (the API pads with zeros), so
+        # U = L = 0 there, they pass, and M = max(0, −h) = 0, as stabilize gives them.
+        m = jnp.maximum(lower, upper - stats_ref[batch, kv_head, 0])
+        row_ok = upper - lower <= stats_ref[batch, kv_head, 1]
+        certified = jnp.min(row_ok.astype(jnp.int32))
+        flag_smem.at[wg][...] = plgpu.layout_cast(jnp.full((block_q,), certified.astype(jnp.float32)),
+                                                  plgpu.Layout.WGMMA.reduce(1))
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(flag_smem.at[wg], flags_ref.at[batch, head, pl.ds(row0, block_q)])
+        return m, certified > 0
+
+      def attend(fixed: bool, m_fixed=None):
+        if fixed and m_fixed is not None:  # M is loop-invariant: the loop closes over it and carries (acc, l)
+          m0 = m_fixed
+        elif fixed:
           plgpu.barrier_wait(m_ready.at[wg])
           m0 = plgpu.load(rows, layout=plgpu.Layout.WGMMA.reduce(1))
         else:
@@ -216,9 +254,13 @@ def _kernel(q_ref, k_ref, v_ref, *refs, fixed_mode: bool, causal: bool, sigma2: 
         plgpu.copy_smem_to_gmem(rows, lse_ref.at[batch, head, pl.ds(row0, block_q)])
         plgpu.wait_smem_to_gmem(0)
 
-      if fixed_mode:
-        certified = cert_ref[batch, head, q_tile * COMPUTE_WARPGROUPS + wg] != 0
+      if mode == "cert":
+        certified = cert_ref[batch, head, tile] != 0
         pl.when(certified)(lambda: attend(True))
+        pl.when(jnp.logical_not(certified))(lambda: attend(False))
+      elif mode == "keys":
+        m_fixed, certified = certify_here()
+        pl.when(certified)(lambda: attend(True, m_fixed))
         pl.when(jnp.logical_not(certified))(lambda: attend(False))
       else:
         attend(False)
@@ -226,7 +268,6 @@ def _kernel(q_ref, k_ref, v_ref, *refs, fixed_mode: bool, causal: bool, sigma2: 
     @pl.when(wg == COMPUTE_WARPGROUPS)
     def _memory():
       plgpu.set_max_registers(40, action="decrease")
-      kv_head = lax.div(head, jnp.int32(group))
 
       def load(block, slot):
         where = (batch, pl.ds(block * block_kv, block_kv), kv_head)
@@ -257,36 +298,57 @@ def _kernel(q_ref, k_ref, v_ref, *refs, fixed_mode: bool, causal: bool, sigma2: 
       plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=slots),  # k_free
       plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=slots),  # v_free
       plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS),  # schedule
+      *(() if mode != "keys" else (
+          plgpu.SMEM((COMPUTE_WARPGROUPS, head_dim), jnp.float32),  # centre
+          plgpu.SMEM((COMPUTE_WARPGROUPS, block_q, head_dim), dtype, transforms=swizzled),  # diagonal keys
+          plgpu.SMEM((COMPUTE_WARPGROUPS, block_q), jnp.float32),  # certified flag out
+          plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS))),  # kdiag_ready
       collective_axes="wg",
   )
 
 
 def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv_len, block_sizes: BlockSizes,
-            interpret=False):
+            keys: KeyBounds | None = None, seq_len: int | None = None, interpret=False):
   """Returns (o [B, S, Hq, D], lse [B, Hq, S] f32 base 2, certified tiles [B, Hq, S/64] or None).
 
-  cert: the XLA pre-pass's Certificate (stabilizer="clis") or None (stabilizer="online").
-  S must be a multiple of block_sizes.multiple (the API pads).
+  The stabilizer comes from `keys` (the K/V pre-pass; each warpgroup certifies its rows in the
+  prologue), from `cert` (the whole XLA pre-pass, for granularity="head"), or neither (online).
+  S must be a multiple of block_sizes.multiple (the API pads with zeros, which the in-kernel
+  certificate relies on: zero rows pass). seq_len: accepted for the API's call, not needed.
   """
+  if cert is not None and keys is not None:
+    raise ValueError("pass the stabilizer as cert or as keys, not both")
   _check(q, k, segment_ids, cert, scale, interpret)
   batch, seq, num_heads, _ = q.shape
   bs = block_sizes
   if seq % bs.multiple or k.shape[1] % bs.multiple:
     raise ValueError(f"{bs.multiple=} must divide the padded lengths {q.shape[1]=} and {k.shape[1]=}")
+  mode = "keys" if keys is not None else "cert" if cert is not None else "online"
   kernel = functools.partial(
-      _kernel, fixed_mode=cert is not None, causal=causal, sigma2=scale * LOG2E, block_q=bs.block_q,
+      _kernel, mode=mode, causal=causal, sigma2=scale * LOG2E, block_q=bs.block_q,
       block_kv=bs.block_kv, slots=min(bs.slots, k.shape[1] // bs.block_kv), kv_len=kv_len,
       group=num_heads // k.shape[2])
-  args = [q, k, v] if cert is None else [q, k, v, cert.m, cert.certified.astype(jnp.int32)]
-  o, lse = plgpu.kernel(
+  args = [q, k, v]
+  out_type = [out_struct(q.shape, q.dtype, q), out_struct((batch, num_heads, seq), jnp.float32, q)]
+  if mode == "cert":
+    args += [cert.m, cert.certified.astype(jnp.int32)]
+  if mode == "keys":
+    if keys.centre.shape[1] != 1:
+      raise ValueError("implementation='pallas_mgpu' takes one key centre per (batch, kv head) (no segments)")
+    args += [keys.centre.astype(jnp.float32), keys.radius, jnp.stack([keys.headroom, keys.threshold], -1)]
+    out_type.append(out_struct((batch, num_heads, seq), jnp.float32, q))  # certified flag per row
+  outs = plgpu.kernel(
       kernel,
-      out_type=(out_struct(q.shape, q.dtype, q), out_struct((batch, num_heads, seq), jnp.float32, q)),
+      out_type=tuple(out_type),
       grid=(num_heads, seq // (COMPUTE_WARPGROUPS * bs.block_q), batch),
       grid_names=("heads", "q_tiles", "batch"),
       num_threads=COMPUTE_WARPGROUPS + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )(*args)
+  o, lse = outs[:2]
+  if mode == "keys":
+    return o, lse, outs[2].reshape(batch, num_heads, seq // bs.tile, bs.tile)[..., 0] > 0.5
   return o, lse, None if cert is None else cert.certified
 
 

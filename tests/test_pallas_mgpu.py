@@ -21,16 +21,19 @@ needs_gpu = pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernels run on an 
 
 
 @pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
-@pytest.mark.parametrize("causal,seq,d,stabilizer", [(True, 256, 128, "clis"), (True, 256, 64, "online"),
-                                                     (False, 200, 128, "clis"), (False, 256, 64, "online")])
-def test_kernel_lowers_for_the_gpu(monkeypatch, causal, seq, d, stabilizer):
-  """Forward (Mosaic GPU) and backward (Triton) lower for an H200, odd lengths padded and masked."""
+@pytest.mark.parametrize("causal,seq,d,stabilizer,granularity", [
+    (True, 256, 128, "clis", "tile"), (True, 256, 64, "online", "tile"), (False, 200, 128, "clis", "tile"),
+    (False, 256, 64, "online", "tile"), (True, 256, 128, "clis", "head"), (False, 200, 64, "clis", "head")])
+def test_kernel_lowers_for_the_gpu(monkeypatch, causal, seq, d, stabilizer, granularity):
+  """Forward (Mosaic GPU: in-kernel certificate for tiles, XLA certificate for heads) and backward
+  (Triton) lower for an H200, odd lengths padded and masked."""
   monkeypatch.setattr("clis_kernels.api._platform", lambda: "gpu")
   q = jax.ShapeDtypeStruct((1, seq, 8, d), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((1, seq, 2, d), jnp.bfloat16)
 
   def loss(q, k, v):
-    out = attention(q, k, v, causal=causal, stabilizer=stabilizer, implementation="pallas_mgpu")
+    out = attention(q, k, v, causal=causal, stabilizer=stabilizer, granularity=granularity,
+                    implementation="pallas_mgpu")
     return out.astype(jnp.float32).sum()
 
   text = lower_for_h200(jax.grad(loss, argnums=(0, 1, 2)), q, k, k)
@@ -137,3 +140,19 @@ def test_every_tile_config_is_exact_on_gpu(block_kv, slots):
       err[stabilizer] = ref.rel_err(out, want)
       assert err[stabilizer] < TOLERANCE[jnp.bfloat16][0], (causal, err)
     assert err["clis"] <= CLIS_VS_ONLINE * err["online"], (causal, err)
+
+
+@needs_gpu
+@pytest.mark.parametrize("causal", [True, False])
+def test_in_kernel_certificate_matches_the_xla_certificate_on_gpu(causal):
+  """granularity="tile" certifies in the kernel; the XLA certificate must decide the same tiles."""
+  from clis_kernels import stabilizer
+  q, k, v, _ = random_inputs(9, 1, 1024, 4, 1, 128, jnp.bfloat16)
+  k = k.at[:, 600].multiply(40.0)  # a sink: some tiles fail, in both decisions
+  out, stats = attention(q, k, v, causal=causal, implementation="pallas_mgpu", return_stats=True)
+  cert = stabilizer.certify(q, k, v, None, causal=causal, scale=128 ** -0.5, tau=64.0, granularity="tile",
+                            block_q=64, seq_len=1024)
+  np.testing.assert_array_equal(np.asarray(stats.certified_tiles), np.asarray(cert.certified))
+  assert 0.0 < float(stats.certified_fraction) < 1.0 or not causal
+  online = attention(q, k, v, causal=causal, stabilizer="online", implementation="pallas_mgpu")
+  assert float(jnp.abs(out.astype(jnp.float32) - online.astype(jnp.float32)).max()) < 2e-2
