@@ -1,6 +1,7 @@
 """The one place where `attention:` becomes a function the model calls.
 
 clis / online → clis_kernels.attention (the platform's kernel; the reference on CPU);
+clis_mgpu / online_mgpu → the same with the Mosaic GPU forward (Hopper only);
 dot_product → dense XLA under the same segment convention; cudnn → jax.nn's cuDNN
 kernel (NVIDIA only). On a mesh of more than one device the kernel runs under
 `jax.shard_map`, batch over (data, fsdp) and heads over tensor: Pallas kernels are
@@ -30,10 +31,13 @@ def _cudnn(q, k, v, segment_ids):
 
 def make_attention(name: str, mesh: jax.sharding.Mesh | None, *, granularity: str = "tile"):
   """Returns attend(q, k, v, segment_ids) -> (out [B,S,Hq,D], certified_fraction scalar)."""
-  if name in ("clis", "online"):
+  if name in ("clis", "online", "clis_mgpu", "online_mgpu"):
+    stabilizer, _, backend = name.partition("_")
+    implementation = "pallas_mgpu" if backend else None  # *_mgpu: the Mosaic GPU forward (Hopper)
+
     def attend(q, k, v, seg):
-      out, stats = clis_attention(q, k, v, seg, causal=True, stabilizer=name, granularity=granularity,
-                                  return_stats=True)
+      out, stats = clis_attention(q, k, v, seg, causal=True, stabilizer=stabilizer, granularity=granularity,
+                                  implementation=implementation, return_stats=True)
       return out, stats.certified_fraction
   elif name == "dot_product":
     def attend(q, k, v, seg):
@@ -45,7 +49,7 @@ def make_attention(name: str, mesh: jax.sharding.Mesh | None, *, granularity: st
     def attend(q, k, v, seg):
       return _cudnn(q, k, v, seg), jnp.zeros((), jnp.float32)
   else:
-    raise ValueError(f"attention={name!r} must be one of clis, online, cudnn, dot_product")
+    raise ValueError(f"attention={name!r} must be one of clis, online, clis_mgpu, online_mgpu, cudnn, dot_product")
 
   if mesh is None or mesh.size == 1:
     return attend

@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-ATTENTIONS = ("clis", "online", "cudnn", "dot_product")
+ATTENTIONS = ("clis", "online", "clis_mgpu", "online_mgpu", "cudnn", "dot_product")
 
 
 @dataclasses.dataclass(frozen=True)

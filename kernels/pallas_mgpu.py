@@ -34,7 +34,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from clis_kernels import pallas_gpu, pallas_gpu_vjp
 from clis_kernels.common import out_struct
-from clis_kernels.stabilizer import LOG2E, Certificate, KeyBounds, row_bounds
+from clis_kernels.stabilizer import EMPTY_LSE, LOG2E, Certificate, KeyBounds, certify_rows, row_bounds
 
 COMPUTE_WARPGROUPS = 2
 HEAD_DIMS = (64, 128)
@@ -78,13 +78,10 @@ def default_block_sizes(head_dim: int, seq_len: int, dtype) -> BlockSizes:
   return BlockSizes(backward=pallas_gpu.default_block_sizes(head_dim, seq_len, dtype))
 
 
-def _check(q, k, segment_ids, cert, scale, interpret):
+def _check(q, k, cert, scale, interpret):
   if interpret:
     raise ValueError("implementation='pallas_mgpu' has no interpret mode; use implementation='pallas_gpu' "
                      "with interpret=True to run the GPU kernels on a CPU")
-  if segment_ids is not None:
-    raise ValueError("implementation='pallas_mgpu' does not take segment_ids (packed sequences); "
-                     "use implementation='pallas_gpu' for them")
   if q.dtype not in (jnp.bfloat16, jnp.float16):
     raise ValueError(f"implementation='pallas_mgpu' needs bfloat16 or float16 inputs; got {q.dtype=} "
                      "(use implementation='pallas_gpu' for float32)")
@@ -97,8 +94,10 @@ def _check(q, k, segment_ids, cert, scale, interpret):
 
 
 def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, block_q: int, block_kv: int,
-            slots: int, kv_len: int | None, group: int):
-  m_ref = cert_ref = centre_ref = radius_ref = stats_ref = flags_ref = None
+            slots: int, kv_len: int | None, group: int, has_segments: bool):
+  m_ref = cert_ref = centre_ref = radius_ref = stats_ref = flags_ref = qseg_ref = kseg_ref = None
+  if has_segments:
+    (qseg_ref, kseg_ref), refs = refs[:2], refs[2:]
   if mode == "cert":
     m_ref, cert_ref, o_ref, lse_ref = refs
   elif mode == "keys":
@@ -124,8 +123,10 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, 
   _, cta_blocks = kv_range(cta_row0, COMPUTE_WARPGROUPS * block_q)  # what the memory warpgroup loads
 
   def body(qo_smem, k_smem, v_smem, row_smem, k_ready, v_ready, q_ready, m_ready, k_free, v_free, schedule,
-           *keys_scratch):
+           *extra_scratch):
     wg = lax.axis_index("wg")
+    keys_scratch = extra_scratch[:4] if mode == "keys" else ()
+    qseg_smem, kseg_smem, qseg_ready, kseg_ready = extra_scratch[-4:] if has_segments else (None,) * 4
     kv_head = lax.div(head, jnp.int32(group))
 
     def take_turn():  # hand the tensor cores to the other compute warpgroup and wait for them back
@@ -148,7 +149,13 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, 
         if causal:  # each row's own key: the lower bound L = t_ii
           plgpu.copy_gmem_to_smem(k_ref.at[batch, pl.ds(row0, block_q), kv_head], kdiag_smem.at[wg],
                                   kdiag_ready.at[wg])
+      if has_segments:
+        plgpu.copy_gmem_to_smem(qseg_ref.at[batch, pl.ds(row0, block_q)], qseg_smem.at[wg], qseg_ready.at[wg])
       plgpu.barrier_wait(q_ready.at[wg])
+      q_ids = None
+      if has_segments:
+        plgpu.barrier_wait(qseg_ready.at[wg])
+        q_ids = plgpu.load(qseg_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
 
       def certify_here():
         """(M, certified) of this warpgroup's rows from the K/V pre-pass (stabilizer.row_bounds and
@@ -197,7 +204,12 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, 
             return acc_ref[...]
 
           qk = pl.run_scoped(qk_scope, plgpu.ACC((block_q, block_kv), jnp.float32))
-          plgpu.barrier_arrive(k_free.at[slot])
+          if has_segments:  # every step: a query sees keys of its own segment (padding keys are −1)
+            plgpu.barrier_wait(kseg_ready.at[slot])
+            k_ids = plgpu.load(kseg_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+            same = lax.broadcast_in_dim(q_ids, qk.shape, [0]) == lax.broadcast_in_dim(k_ids, qk.shape, [1])
+            qk = jnp.where(same, qk, -jnp.inf)
+          plgpu.barrier_arrive(k_free.at[slot])  # k and its segment ids are read
           if masked:
             q_pos = row0 + plgpu.broadcasted_iota(jnp.int32, qk.shape, 0, layout=plgpu.Layout.WGMMA)
             k_pos = i * block_kv + plgpu.broadcasted_iota(jnp.int32, qk.shape, 1, layout=plgpu.Layout.WGMMA)
@@ -247,8 +259,14 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, 
           lax.fori_loop(total, cta_blocks, drain, None)
         pl.when(wg == 0)(take_turn)
         acc, m, l = (carry[0], m0, carry[1]) if fixed else carry
-        q_smem[...] = (acc * lax.broadcast_in_dim(1.0 / l, acc.shape, [0])).astype(dtype)
-        rows[...] = m + jnp.log2(l)
+        o = acc * lax.broadcast_in_dim(1.0 / l, acc.shape, [0])
+        lse = m + jnp.log2(l)
+        if has_segments:  # padding rows (id 0) see no key: o = 0 and EMPTY_LSE, as every backend
+          empty = q_ids == 0
+          o = jnp.where(lax.broadcast_in_dim(empty, acc.shape, [0]), 0.0, o)
+          lse = jnp.where(empty, EMPTY_LSE, lse)
+        q_smem[...] = o.astype(dtype)
+        rows[...] = lse
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_smem, o_ref.at[batch, pl.ds(row0, block_q), head])
         plgpu.copy_smem_to_gmem(rows, lse_ref.at[batch, head, pl.ds(row0, block_q)])
@@ -273,6 +291,9 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, 
         where = (batch, pl.ds(block * block_kv, block_kv), kv_head)
         plgpu.copy_gmem_to_smem(k_ref.at[where], k_smem.at[slot], k_ready.at[slot])
         plgpu.copy_gmem_to_smem(v_ref.at[where], v_smem.at[slot], v_ready.at[slot])
+        if has_segments:
+          plgpu.copy_gmem_to_smem(kseg_ref.at[batch, pl.ds(block * block_kv, block_kv)], kseg_smem.at[slot],
+                                  kseg_ready.at[slot])
 
       for slot in range(slots):
         pl.when(slot < cta_blocks)(functools.partial(load, slot, slot))
@@ -303,6 +324,11 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, 
           plgpu.SMEM((COMPUTE_WARPGROUPS, block_q, head_dim), dtype, transforms=swizzled),  # diagonal keys
           plgpu.SMEM((COMPUTE_WARPGROUPS, block_q), jnp.float32),  # certified flag out
           plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS))),  # kdiag_ready
+      *(() if not has_segments else (
+          plgpu.SMEM((COMPUTE_WARPGROUPS, block_q), jnp.int32),  # query segment ids
+          plgpu.SMEM((slots, block_kv), jnp.int32),  # key segment ids, one block per slot
+          plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS),  # qseg_ready
+          plgpu.Barrier(num_barriers=slots))),  # kseg_ready
       collective_axes="wg",
   )
 
@@ -318,17 +344,23 @@ def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv
   """
   if cert is not None and keys is not None:
     raise ValueError("pass the stabilizer as cert or as keys, not both")
-  _check(q, k, segment_ids, cert, scale, interpret)
+  _check(q, k, cert, scale, interpret)
   batch, seq, num_heads, _ = q.shape
   bs = block_sizes
   if seq % bs.multiple or k.shape[1] % bs.multiple:
     raise ValueError(f"{bs.multiple=} must divide the padded lengths {q.shape[1]=} and {k.shape[1]=}")
+  if segment_ids is not None and keys is not None:  # per-segment centres: the XLA rows pass certifies
+    cert = certify_rows(q, k, segment_ids, keys, causal=causal, scale=scale, granularity="tile",
+                        block_q=bs.tile, seq_len=seq if seq_len is None else seq_len)
+    keys = None
   mode = "keys" if keys is not None else "cert" if cert is not None else "online"
   kernel = functools.partial(
       _kernel, mode=mode, causal=causal, sigma2=scale * LOG2E, block_q=bs.block_q,
       block_kv=bs.block_kv, slots=min(bs.slots, k.shape[1] // bs.block_kv), kv_len=kv_len,
-      group=num_heads // k.shape[2])
+      group=num_heads // k.shape[2], has_segments=segment_ids is not None)
   args = [q, k, v]
+  if segment_ids is not None:  # key id 0 (padding) becomes −1: it then matches no query, padding included
+    args += [segment_ids.astype(jnp.int32), jnp.where(segment_ids == 0, -1, segment_ids).astype(jnp.int32)]
   out_type = [out_struct(q.shape, q.dtype, q), out_struct((batch, num_heads, seq), jnp.float32, q)]
   if mode == "cert":
     args += [cert.m, cert.certified.astype(jnp.int32)]

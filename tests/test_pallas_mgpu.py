@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import f64_reference as ref
-from attention_base import CLIS_VS_ONLINE, TOLERANCE, lower_for_h200, random_inputs
+from attention_base import CLIS_VS_ONLINE, TOLERANCE, lower_for_h200, packed_segments, random_inputs
 from clis_kernels import attention, pallas_gpu, pallas_mgpu
 
 ON_GPU = jax.devices()[0].platform == "gpu"
@@ -24,26 +24,28 @@ needs_gpu = pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernels run on an 
 @pytest.mark.parametrize("causal,seq,d,stabilizer,granularity", [
     (True, 256, 128, "clis", "tile"), (True, 256, 64, "online", "tile"), (False, 200, 128, "clis", "tile"),
     (False, 256, 64, "online", "tile"), (True, 256, 128, "clis", "head"), (False, 200, 64, "clis", "head")])
-def test_kernel_lowers_for_the_gpu(monkeypatch, causal, seq, d, stabilizer, granularity):
+@pytest.mark.parametrize("packed", [False, True])
+def test_kernel_lowers_for_the_gpu(monkeypatch, causal, seq, d, stabilizer, granularity, packed):
   """Forward (Mosaic GPU: in-kernel certificate for tiles, XLA certificate for heads) and backward
   (Triton) lower for an H200, odd lengths padded and masked."""
   monkeypatch.setattr("clis_kernels.api._platform", lambda: "gpu")
   q = jax.ShapeDtypeStruct((1, seq, 8, d), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((1, seq, 2, d), jnp.bfloat16)
 
-  def loss(q, k, v):
-    out = attention(q, k, v, causal=causal, stabilizer=stabilizer, granularity=granularity,
+  seg = jax.ShapeDtypeStruct((1, seq), jnp.int32) if packed else None
+
+  def loss(q, k, v, seg):
+    out = attention(q, k, v, seg, causal=causal, stabilizer=stabilizer, granularity=granularity,
                     implementation="pallas_mgpu")
     return out.astype(jnp.float32).sum()
 
-  text = lower_for_h200(jax.grad(loss, argnums=(0, 1, 2)), q, k, k)
+  text = lower_for_h200(jax.grad(loss, argnums=(0, 1, 2)), q, k, k, seg)
   assert "mosaic_gpu" in text
   for name in ("clis_bwd_dq", "clis_bwd_dkv"):
     assert name in text
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(segment_ids=jnp.ones((1, 128), jnp.int32)), "does not take segment_ids"),
     (dict(dtype=jnp.float32), "needs bfloat16 or float16"),
     (dict(d=96), "head_dim=96 must be one of"),
     (dict(interpret=True), "has no interpret mode"),
@@ -72,24 +74,27 @@ def test_padding_multiple_covers_both_warpgroups_and_the_backward():
   assert pallas_mgpu.BlockSizes(block_kv=64).multiple == 128  # two warpgroups of 64 rows
 
 
-# name, batch, seq, q heads, kv heads, head dim, causal
+# name, batch, seq, q heads, kv heads, head dim, causal, packed
 GPU_CASES = [
-    ("causal_gqa4_d128", 2, 1024, 8, 2, 128, True),
-    ("causal_mha_d64_odd", 1, 1000, 4, 4, 64, True),
-    ("bidir_mha_d128_odd", 1, 1000, 4, 4, 128, False),
-    ("bidir_gqa2_d64", 1, 768, 4, 2, 64, False),
+    ("causal_gqa4_d128", 2, 1024, 8, 2, 128, True, False),
+    ("causal_mha_d64_odd", 1, 1000, 4, 4, 64, True, False),
+    ("bidir_mha_d128_odd", 1, 1000, 4, 4, 128, False, False),
+    ("bidir_gqa2_d64", 1, 768, 4, 2, 64, False, False),
+    ("causal_packed_gqa4_d128", 2, 1000, 8, 2, 128, True, True),
+    ("bidir_packed_mha_d64", 1, 640, 4, 4, 64, False, True),
 ]
 
 
 @needs_gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
 def test_forward_and_gradients_match_float64_on_gpu(case):
-  name, batch, seq, hq, hkv, d, causal = case
+  name, batch, seq, hq, hkv, d, causal, packed = case
   q, k, v, do = random_inputs(len(name), batch, seq, hq, hkv, d, jnp.bfloat16)
-  want = ref.attention(q, k, v, do, causal=causal)
+  seg = packed_segments(len(name), batch, seq) if packed else None
+  want = ref.attention(q, k, v, do, seg, causal=causal)
   errors = {}
   for stabilizer in ("clis", "online"):
-    f = lambda q, k, v: attention(q, k, v, causal=causal, stabilizer=stabilizer, implementation="pallas_mgpu")
+    f = lambda q, k, v: attention(q, k, v, seg, causal=causal, stabilizer=stabilizer, implementation="pallas_mgpu")
     out, vjp = jax.vjp(f, q, k, v)
     got = (out, *vjp(do))
     assert all(bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in got)
@@ -97,8 +102,10 @@ def test_forward_and_gradients_match_float64_on_gpu(case):
     assert errors[stabilizer][0] < TOLERANCE[jnp.bfloat16][0], (stabilizer, errors)
     assert max(errors[stabilizer][1:]) < TOLERANCE[jnp.bfloat16][1], (stabilizer, errors)
   assert errors["clis"][0] <= CLIS_VS_ONLINE * errors["online"][0], errors
-  _, stats = attention(q, k, v, causal=causal, implementation="pallas_mgpu", return_stats=True)
+  _, stats = attention(q, k, v, seg, causal=causal, implementation="pallas_mgpu", return_stats=True)
   assert float(stats.certified_fraction) == 1.0
+  if packed:  # padding rows (id 0) give exactly 0
+    np.testing.assert_array_equal(np.asarray(got[0][seg == 0], np.float32), 0.0)
 
 
 @needs_gpu
