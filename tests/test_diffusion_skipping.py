@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import f64_reference as ref
+from attention_base import lower_for_h200
 from clis_kernels import attention, diffusion, pallas_gpu, reference
 
 BS = reference.BlockSizes(block_q=16, block_k=16)
@@ -145,13 +146,12 @@ def test_skip_kernel_without_marks_is_dense():
 @pytest.mark.parametrize("track", [True, False])
 def test_skip_kernel_lowers_for_the_gpu(track):
   """The list-driven loop (scalar loads of tile indices) lowers through Triton for an H200, on the CPU."""
-  from test_api import _lower_for_h200
   q = jax.ShapeDtypeStruct((1, 300, 4, 128), jnp.bfloat16)
   bs = pallas_gpu.default_block_sizes(128, 300, jnp.bfloat16)
   state = diffusion.init_state(1, 4, 300, bs)
   fn = lambda q, k, v, s: diffusion.attention(q, k, v, s, thr=-10.0 if track else -math.inf, block_sizes=bs,
                                               implementation="pallas_gpu")[0]
-  assert "clis_skip_fwd" in _lower_for_h200(fn, q, q, q, state)
+  assert "clis_skip_fwd" in lower_for_h200(fn, q, q, q, state)
 
 
 def test_calibration_finds_the_loosest_threshold_within_the_target_error():
