@@ -34,7 +34,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from clis_kernels import pallas_gpu, pallas_gpu_vjp
 from clis_kernels.common import out_struct
-from clis_kernels.stabilizer import EMPTY_LSE, LOG2E, Certificate, KeyBounds, certify_rows, row_bounds
+from clis_kernels.stabilizer import EMPTY_LSE, LOG2E, NEG, Certificate, KeyBounds, certify_rows, row_bounds
 
 COMPUTE_WARPGROUPS = 2
 HEAD_DIMS = (64, 128)
@@ -208,7 +208,10 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, 
             plgpu.barrier_wait(kseg_ready.at[slot])
             k_ids = plgpu.load(kseg_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
             same = lax.broadcast_in_dim(q_ids, qk.shape, [0]) == lax.broadcast_in_dim(k_ids, qk.shape, [1])
-            qk = jnp.where(same, qk, -jnp.inf)
+            # Finite NEG, not −inf: a block wholly of other segments must not give the online loop
+            # max = −inf (2^(−inf − (−inf)) is NaN); its bogus weights are rescaled to 0 by the first
+            # block with a visible key, and rows that never see one are padding (zeroed below).
+            qk = jnp.where(same, qk, NEG)
           plgpu.barrier_arrive(k_free.at[slot])  # k and its segment ids are read
           if masked:
             q_pos = row0 + plgpu.broadcasted_iota(jnp.int32, qk.shape, 0, layout=plgpu.Layout.WGMMA)
