@@ -32,7 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from clis_kernels import pallas_gpu, pallas_gpu_vjp
+from clis_kernels import masks, pallas_gpu, pallas_gpu_vjp
 from clis_kernels.common import out_struct
 from clis_kernels.stabilizer import EMPTY_LSE, LOG2E, NEG, Certificate, KeyBounds, certify_rows, row_bounds
 
@@ -110,15 +110,14 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, 
   batch, head = lax.axis_index("batch"), lax.axis_index("heads")
   q_tile = num_q_tiles - 1 - lax.axis_index("q_tiles") if causal else lax.axis_index("q_tiles")
   cta_row0 = q_tile * (COMPUTE_WARPGROUPS * block_q)
-  blk = jnp.int32(block_kv)
 
   def kv_range(row0, rows):
-    """(unmasked, total) kv blocks for query rows [row0, row0 + rows)."""
+    """(unmasked, total) kv blocks for query rows [row0, row0 + rows) (masks.py's ranges; python
+    ints when not causal, so those loops get static bounds)."""
     if causal:
-      return lax.div(row0, blk), jnp.minimum(pl.cdiv(row0 + rows, blk), num_kv_blocks)
-    if kv_len is not None:  # python ints: the loops get static bounds
-      return kv_len // block_kv, -(-kv_len // block_kv)
-    return num_kv_blocks, num_kv_blocks
+      return masks.causal_kv_blocks(lax.div(row0, jnp.int32(rows)), block_q=rows, block_k=block_kv,
+                                    num_kv_blocks=num_kv_blocks, div=lax.div)
+    return masks.bidirectional_kv_blocks(kv_len=kv_len, block_k=block_kv, num_kv_blocks=num_kv_blocks)
 
   _, cta_blocks = kv_range(cta_row0, COMPUTE_WARPGROUPS * block_q)  # what the memory warpgroup loads
 

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from clis_kernels import pallas_mgpu, stabilizer
 from clis_train import benchmarking
+from mgpu_variants import case_inputs  # same inputs as the variants runs (run from notes/experiments/)
 
 CASES = {"bidir_S32768_H12": (32768, 12, 12, False), "causal_S8192_H32_8": (8192, 32, 8, True)}
 CONFIGS = [(128, 2), (64, 2), (64, 3), (64, 4)]
@@ -31,10 +32,7 @@ def main():
   args = parser.parse_args()
   records = []
   for case, (s, hq, hkv, causal) in CASES.items():
-    kq, kk, kv, kc = jax.random.split(jax.random.PRNGKey(0), 4)
-    q = jax.random.normal(kq, (1, s, hq, 128), jnp.bfloat16)
-    k = (jax.random.normal(kk, (1, s, hkv, 128)) + jax.random.normal(kc, (1, 1, hkv, 128))).astype(jnp.bfloat16)
-    v = jax.random.normal(kv, (1, s, hkv, 128), jnp.bfloat16)
+    q, k, v = case_inputs(s, hq, hkv)
     scale = 128 ** -0.5
     cert = jax.jit(lambda q, k, v: stabilizer.certify(q, k, v, None, causal=causal, scale=scale, tau=64.0,
                                                       granularity="tile", block_q=64, seq_len=s))(q, k, v)

@@ -25,6 +25,14 @@ from clis_train import benchmarking
 CASES = {"causal_S8192_H32_8": (8192, 32, 8, True), "bidir_S32768_H12": (32768, 12, 12, False)}
 
 
+def case_inputs(s, hq, hkv, d=128):
+  """bf16 q, k, v [1, s, heads, d]; keys share a common component, as in trained models."""
+  kq, kk, kv, kc = jax.random.split(jax.random.PRNGKey(0), 4)
+  q = jax.random.normal(kq, (1, s, hq, d), jnp.bfloat16)
+  k = (jax.random.normal(kk, (1, s, hkv, d)) + jax.random.normal(kc, (1, 1, hkv, d))).astype(jnp.bfloat16)
+  return q, k, jax.random.normal(kv, (1, s, hkv, d), jnp.bfloat16)
+
+
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--out", required=True)
@@ -33,10 +41,7 @@ def main():
   args = parser.parse_args()
   records = []
   for case, (s, hq, hkv, causal) in CASES.items():
-    kq, kk, kv, kc = jax.random.split(jax.random.PRNGKey(0), 4)
-    q = jax.random.normal(kq, (1, s, hq, 128), jnp.bfloat16)
-    k = (jax.random.normal(kk, (1, s, hkv, 128)) + jax.random.normal(kc, (1, 1, hkv, 128))).astype(jnp.bfloat16)
-    v = jax.random.normal(kv, (1, s, hkv, 128), jnp.bfloat16)
+    q, k, v = case_inputs(s, hq, hkv)
     bs = pallas_mgpu.default_block_sizes(128, s, jnp.bfloat16)
     scale = 128 ** -0.5
     certify = jax.jit(lambda q, k, v: stabilizer.certify(q, k, v, None, causal=causal, scale=scale, tau=64.0,
