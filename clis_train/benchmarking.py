@@ -44,14 +44,18 @@ def default_output(name: str, root: str = "benchmarks/results") -> str:
   return str(pathlib.Path(root) / f"{datetime.date.today().isoformat()}-{device}-{name}.json")
 
 
+def online_baseline(impl: str) -> str:
+  """The implementation a ratio "vs online" divides by: the same backend's online loop."""
+  return "online_mgpu" if impl.endswith("_mgpu") else "online"
+
+
 def markdown_table(records: list[dict], value: str = "tflops") -> str:
   """One row per (case, pass, impl): median ms, [min, max], the rate, and the ratio to the same
-  backend's online baseline (`online`, or `online_mgpu` for `*_mgpu` implementations)."""
-  baseline = lambda impl: "online_mgpu" if impl.endswith("_mgpu") else "online"
+  backend's online baseline (`online_baseline`)."""
   base = {(r["case"], r["pass"], r["impl"]): r["ms"] for r in records if r["impl"] in ("online", "online_mgpu")}
   lines = [f"| case | pass | impl | ms | [min, max] | {value} | vs online |", "|---|---|---|---|---|---|---|"]
   for r in records:
-    ratio = base.get((r["case"], r["pass"], baseline(r["impl"])))
+    ratio = base.get((r["case"], r["pass"], online_baseline(r["impl"])))
     rate = r.get(value)
     lines.append(f"| {r['case']} | {r['pass']} | {r['impl']} | {r['ms']:.3f} | [{r['ms_min']:.3f}, {r['ms_max']:.3f}] "
                  f"| {'—' if rate is None else f'{rate:.4g}'} | {'—' if ratio is None else f'{ratio / r['ms']:.3f}×'} |")

@@ -73,7 +73,8 @@ def main():
                         certified_fraction=last[name]["certified_fraction"]))
   base = {r["impl"]: r["tokens_per_s"] for r in records}
   for r in records:
-    r["speedup_vs_online"] = r["tokens_per_s"] / base["online"] if "online" in base else None
+    online = base.get(benchmarking.online_baseline(r["impl"]))
+    r["speedup_vs_online"] = None if online is None else r["tokens_per_s"] / online
     print(f"{r['case']:14s} {r['impl']:12s} {r['ms']:9.1f} ms/step [{r['ms_min']:.1f}, {r['ms_max']:.1f}]  "
           f"{r['tokens_per_s']:9.0f} tok/s  MFU {r['mfu'] if r['mfu'] is None else round(r['mfu'], 3)}  "
           f"loss {r['last_loss']:.3f}  certified {r['certified_fraction']:.2f}", flush=True)
