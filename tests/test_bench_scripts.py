@@ -70,3 +70,22 @@ def test_multi_gpu_check_on_two_cpu_devices(tmp_path):
   for name in ("clis|data2", "clis|tensor2"):
     assert records[name]["max_abs_loss_diff_vs_1dev"] < 1e-3  # same global batch, same steps
     assert records[name]["B"] == records["clis|1dev"]["B"]
+
+
+def test_bench_skipping_quick(tmp_path):
+  out = tmp_path / "skipping.json"
+  _run("scripts/bench_skipping.py", "--quick", "--fractions", "0", "0.5", "--out", str(out))
+  records = json.loads(out.read_text())
+  assert {r["impl"] for r in records} == {"clis", "online", "clis_skip@0.00", "clis_skip_track@0.00",
+                                          "clis_skip@0.50", "clis_skip_track@0.50"}
+  for r in records:
+    assert REQUIRED <= set(r) and r["ms"] > 0 and r["ms_min"] <= r["ms"] <= r["ms_max"]
+    assert (r["vs_unskipped"] is None) == ("@" not in r["impl"])
+  assert next(r for r in records if r["impl"] == "clis_skip@0.00")["vs_unskipped"] == 1.0
+  assert out.with_suffix(".png").stat().st_size > 1000
+
+
+def test_bench_skipping_rejects_a_fraction_of_one():
+  result = subprocess.run([sys.executable, "scripts/bench_skipping.py", "--quick", "--fractions", "1.0"], cwd=ROOT,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True)
+  assert result.returncode != 0 and "--fractions=[1.0] must each be in [0, 1)" in result.stderr

@@ -1,0 +1,100 @@
+"""Does the skip kernel's time track the fraction of tiles skipped, at video lengths?
+
+Bidirectional attention (B 1, H heads, D 128) at each sequence length; for each fraction f,
+a skip state marking f of the kv tiles of every (head, q tile) at random, then the skip kernel
+(kernels/diffusion/pallas_gpu_skip.py through diffusion.attention, thr = −inf so no marking
+work; and with marking, `track`) timed round-robin with the dense kernels of the same call
+(clis, online, clis_mgpu, online_mgpu, cuDNN). Records the median ms with [min, max]; the
+markdown table adds each skip variant's time relative to its f = 0 time, to set beside 1 − f.
+
+  python scripts/bench_skipping.py --seq-lens 32768 75600 --out benchmarks/results/<date>-<device>-skipping.json
+  python scripts/bench_skipping.py --quick --out /tmp/skip.json      # tiny case, CPU, interpret mode
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from clis_kernels import attention, diffusion, pallas_gpu  # noqa: E402
+from clis_train import benchmarking  # noqa: E402
+
+
+def random_marks(key, state: diffusion.SkipState, fraction: float) -> diffusion.SkipState:
+  """The state with round(fraction · nk) random kv tiles marked in every (batch, head, q tile)."""
+  nk = state.skip.shape[-1]
+  rank = jnp.argsort(jax.random.uniform(key, state.skip.shape), axis=-1).argsort(axis=-1)
+  return diffusion.SkipState(rank < round(fraction * nk), state.calls)
+
+
+def variants(q, k, v, fractions, *, quick: bool):
+  """{name: zero-argument timed call} for the dense kernels and the skip kernel at each fraction."""
+  kw = dict(implementation="pallas_gpu", interpret=True) if quick else {}
+  dense = {
+      "clis": functools.partial(attention, stabilizer="clis", **kw),
+      "online": functools.partial(attention, stabilizer="online", **kw),
+  }
+  if not quick:
+    dense["clis_mgpu"] = functools.partial(attention, stabilizer="clis", implementation="pallas_mgpu")
+    dense["online_mgpu"] = functools.partial(attention, stabilizer="online", implementation="pallas_mgpu")
+    dense["cudnn"] = functools.partial(jax.nn.dot_product_attention, implementation="cudnn")
+  fns = {name: functools.partial(jax.jit(f), q, k, v) for name, f in dense.items()}
+  bs = pallas_gpu.default_block_sizes(q.shape[-1], q.shape[1], q.dtype)
+  empty = diffusion.init_state(q.shape[0], q.shape[2], q.shape[1], bs)
+  for i, f in enumerate(fractions):
+    state = random_marks(jax.random.PRNGKey(i), empty, f)
+    for name, thr in (("clis_skip", -float("inf")), ("clis_skip_track", -1e4)):
+      run = jax.jit(lambda q, k, v, s, thr=thr: diffusion.attention(
+          q, k, v, s, thr=thr, implementation="pallas_gpu", interpret=quick)[0])
+      fns[f"{name}@{f:.2f}"] = functools.partial(run, q, k, v, state)
+  return fns
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--heads", type=int, default=12)
+  p.add_argument("--seq-lens", type=int, nargs="+", default=[32768, 75600])
+  p.add_argument("--fractions", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75])
+  p.add_argument("--repeats", type=int, default=10)
+  p.add_argument("--inner", type=int, default=3)
+  p.add_argument("--quick", action="store_true", help="tiny case on the CPU, Pallas in interpret mode")
+  p.add_argument("--out", default=None)
+  args = p.parse_args()
+  if any(not 0.0 <= f < 1.0 for f in args.fractions):
+    raise SystemExit(f"--fractions={args.fractions} must each be in [0, 1)")
+  if args.quick:
+    args.heads, args.seq_lens, args.repeats, args.inner = 2, [200], 2, 1
+  meta, records = benchmarking.device_meta(), []
+  for s in args.seq_lens:
+    q, k, v = (jax.random.normal(key, (1, s, args.heads, 128), jnp.bfloat16)
+               for key in jax.random.split(jax.random.PRNGKey(s), 3))
+    timings = benchmarking.interleaved_medians(variants(q, k, v, args.fractions, quick=args.quick),
+                                               repeats=args.repeats, inner=args.inner)
+    flops = 4 * args.heads * s * s * 128
+    for name, (med, lo, hi) in timings.items():
+      impl, _, frac = name.partition("@")
+      f = float(frac) if frac else 0.0
+      base = timings.get(f"{impl}@{args.fractions[0]:.2f}", (None,))[0] if frac else None
+      records.append(dict(case=f"dit_bidir_H{args.heads}_S{s}", impl=name, **{"pass": "fwd"}, ms=med, ms_min=lo,
+                          ms_max=hi, tflops=flops * (1 - f) / med / 1e9, skipped=f,
+                          vs_unskipped=None if base is None else med / base, B=1, S=s, Hq=args.heads,
+                          Hkv=args.heads, D=128, causal=False, repeat=args.repeats, inner=args.inner, **meta))
+  out = args.out or benchmarking.default_output("skipping_quick" if args.quick else "skipping")
+  benchmarking.write_report(records, out)
+  print(benchmarking.markdown_table(records))
+  for r in records:
+    if r["vs_unskipped"] is not None:
+      print(f"{r['case']} {r['impl']:22s} {r['ms']:8.3f} ms  time/unskipped {r['vs_unskipped']:.3f}  "
+            f"kept {1 - r['skipped']:.2f}")
+  print("wrote", out)
+
+
+if __name__ == "__main__":
+  main()
