@@ -38,6 +38,7 @@ from clis_kernels.stabilizer import EMPTY_LSE, LOG2E, NEG, Certificate, KeyBound
 
 COMPUTE_WARPGROUPS = 2
 HEAD_DIMS = (64, 128)
+FAILED_TILE_M = 1e30  # M sent for rows of a tile the XLA certificate failed (real M are far smaller)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,13 +96,13 @@ def _check(q, k, cert, scale, interpret):
 
 def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, block_q: int, block_kv: int,
             slots: int, kv_len: int | None, group: int, has_segments: bool):
-  m_ref = cert_ref = centre_ref = radius_ref = stats_ref = flags_ref = qseg_ref = kseg_ref = None
+  m_ref = centre_ref = bounds_ref = flags_ref = qseg_ref = kseg_ref = None
   if has_segments:
     (qseg_ref, kseg_ref), refs = refs[:2], refs[2:]
   if mode == "cert":
-    m_ref, cert_ref, o_ref, lse_ref = refs
+    m_ref, o_ref, lse_ref = refs
   elif mode == "keys":
-    centre_ref, radius_ref, stats_ref, o_ref, lse_ref, flags_ref = refs
+    centre_ref, bounds_ref, o_ref, lse_ref, flags_ref = refs
   else:
     o_ref, lse_ref = refs
   dtype, head_dim = q_ref.dtype, q_ref.shape[-1]
@@ -124,7 +125,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, 
   def body(qo_smem, k_smem, v_smem, row_smem, k_ready, v_ready, q_ready, m_ready, k_free, v_free, schedule,
            *extra_scratch):
     wg = lax.axis_index("wg")
-    keys_scratch = extra_scratch[:4] if mode == "keys" else ()
+    keys_scratch = extra_scratch[:6] if mode == "keys" else ()
     qseg_smem, kseg_smem, qseg_ready, kseg_ready = extra_scratch[-4:] if has_segments else (None,) * 4
     kv_head = lax.div(head, jnp.int32(group))
 
@@ -138,13 +139,14 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, 
       q_smem, rows = qo_smem.at[wg], row_smem.at[wg]
       row0 = cta_row0 + wg * block_q
       full, total = kv_range(row0, block_q)
-      tile = q_tile * COMPUTE_WARPGROUPS + wg  # this warpgroup's certificate tile
       plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(row0, block_q), head], q_smem, q_ready.at[wg])
       if mode == "cert":
         plgpu.copy_gmem_to_smem(m_ref.at[batch, head, pl.ds(row0, block_q)], rows, m_ready.at[wg])
       if mode == "keys":
-        centre_smem, kdiag_smem, flag_smem, kdiag_ready = keys_scratch
+        centre_smem, kdiag_smem, flag_smem, bounds_smem, kdiag_ready, bounds_ready = keys_scratch
         plgpu.copy_gmem_to_smem(centre_ref.at[batch, 0, kv_head], centre_smem.at[wg], m_ready.at[wg])
+        plgpu.copy_gmem_to_smem(bounds_ref.at[batch, kv_head, :, pl.ds(row0, block_q)], bounds_smem.at[wg],
+                                bounds_ready.at[wg])
         if causal:  # each row's own key: the lower bound L = t_ii
           plgpu.copy_gmem_to_smem(k_ref.at[batch, pl.ds(row0, block_q), kv_head], kdiag_smem.at[wg],
                                   kdiag_ready.at[wg])
@@ -158,20 +160,24 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, 
 
       def certify_here():
         """(M, certified) of this warpgroup's rows from the K/V pre-pass (stabilizer.row_bounds and
-        stabilize, as the Triton kernel's prologue); the flag goes out per row for the stats."""
+        stabilize, as the Triton kernel's prologue); the flag goes out per row for the stats.
+        Radius, headroom and threshold arrive per row through TMA, as M does in "cert" mode: scalar
+        reads from GMEM at a warpgroup-dependent index gave the other warpgroup's radius on the H200."""
         plgpu.barrier_wait(m_ready.at[wg])
+        plgpu.barrier_wait(bounds_ready.at[wg])
         q = plgpu.load(q_smem, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
         centre = plgpu.load(centre_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(0))
+        radius, headroom, threshold = (plgpu.load(bounds_smem.at[wg, j], layout=plgpu.Layout.WGMMA.reduce(1))
+                                       for j in range(3))
         k_diag = None
         if causal:
           plgpu.barrier_wait(kdiag_ready.at[wg])
           k_diag = plgpu.load(kdiag_smem.at[wg], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-        upper, lower = row_bounds(q, lax.broadcast_in_dim(centre, q.shape, [1]),
-                                  radius_ref[batch, kv_head, tile if causal else 0], k_diag, sigma2=sigma2)
+        upper, lower = row_bounds(q, lax.broadcast_in_dim(centre, q.shape, [1]), radius, k_diag, sigma2=sigma2)
         # stabilize() without its padding mask: padded rows are zero (the API pads with zeros), so
         # U = L = 0 there, they pass, and M = max(0, −h) = 0, as stabilize gives them.
-        m = jnp.maximum(lower, upper - stats_ref[batch, kv_head, 0])
-        row_ok = upper - lower <= stats_ref[batch, kv_head, 1]
+        m = jnp.maximum(lower, upper - headroom)
+        row_ok = upper - lower <= threshold
         certified = jnp.min(row_ok.astype(jnp.int32))
         flag_smem.at[wg][...] = plgpu.layout_cast(jnp.full((block_q,), certified.astype(jnp.float32)),
                                                   plgpu.Layout.WGMMA.reduce(1))
@@ -180,11 +186,8 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, 
         return m, certified > 0
 
       def attend(fixed: bool, m_fixed=None):
-        if fixed and m_fixed is not None:  # M is loop-invariant: the loop closes over it and carries (acc, l)
+        if fixed:  # M is loop-invariant: the loop closes over it and carries (acc, l)
           m0 = m_fixed
-        elif fixed:
-          plgpu.barrier_wait(m_ready.at[wg])
-          m0 = plgpu.load(rows, layout=plgpu.Layout.WGMMA.reduce(1))
         else:
           m0 = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         l0 = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
@@ -274,9 +277,11 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, 
         plgpu.copy_smem_to_gmem(rows, lse_ref.at[batch, head, pl.ds(row0, block_q)])
         plgpu.wait_smem_to_gmem(0)
 
-      if mode == "cert":
-        certified = cert_ref[batch, head, tile] != 0
-        pl.when(certified)(lambda: attend(True))
+      if mode == "cert":  # M per row, FAILED_TILE_M where the XLA certificate failed the tile
+        plgpu.barrier_wait(m_ready.at[wg])
+        m_rows = plgpu.load(rows, layout=plgpu.Layout.WGMMA.reduce(1))
+        certified = jnp.min((m_rows < FAILED_TILE_M / 2).astype(jnp.int32)) > 0
+        pl.when(certified)(lambda: attend(True, m_rows))
         pl.when(jnp.logical_not(certified))(lambda: attend(False))
       elif mode == "keys":
         m_fixed, certified = certify_here()
@@ -325,7 +330,9 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, 
           plgpu.SMEM((COMPUTE_WARPGROUPS, head_dim), jnp.float32),  # centre
           plgpu.SMEM((COMPUTE_WARPGROUPS, block_q, head_dim), dtype, transforms=swizzled),  # diagonal keys
           plgpu.SMEM((COMPUTE_WARPGROUPS, block_q), jnp.float32),  # certified flag out
-          plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS))),  # kdiag_ready
+          plgpu.SMEM((COMPUTE_WARPGROUPS, 3, block_q), jnp.float32),  # radius, headroom, threshold per row
+          plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS),  # kdiag_ready
+          plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS))),  # bounds_ready
       *(() if not has_segments else (
           plgpu.SMEM((COMPUTE_WARPGROUPS, block_q), jnp.int32),  # query segment ids
           plgpu.SMEM((slots, block_kv), jnp.int32),  # key segment ids, one block per slot
@@ -364,12 +371,14 @@ def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv
   if segment_ids is not None:  # key id 0 (padding) becomes −1: it then matches no query, padding included
     args += [segment_ids.astype(jnp.int32), jnp.where(segment_ids == 0, -1, segment_ids).astype(jnp.int32)]
   out_type = [out_struct(q.shape, q.dtype, q), out_struct((batch, num_heads, seq), jnp.float32, q)]
-  if mode == "cert":
-    args += [cert.m, cert.certified.astype(jnp.int32)]
+  per_row = lambda x: jnp.broadcast_to(jnp.repeat(x, bs.tile, axis=-1) if x.shape[-1] > 1 else x, x.shape[:-1] + (seq,))
+  if mode == "cert":  # the kernel reads the certificate per row, with M
+    args += [jnp.where(per_row(cert.certified), cert.m, FAILED_TILE_M)]
   if mode == "keys":
     if keys.centre.shape[1] != 1:
       raise ValueError("implementation='pallas_mgpu' takes one key centre per (batch, kv head) (no segments)")
-    args += [keys.centre.astype(jnp.float32), keys.radius, jnp.stack([keys.headroom, keys.threshold], -1)]
+    bounds = [per_row(keys.radius), per_row(keys.headroom[..., None]), per_row(keys.threshold[..., None])]
+    args += [keys.centre.astype(jnp.float32), jnp.stack(bounds, axis=2).astype(jnp.float32)]  # [B, Hkv, 3, S]
     out_type.append(out_struct((batch, num_heads, seq), jnp.float32, q))  # certified flag per row
   outs = plgpu.kernel(
       kernel,
