@@ -34,11 +34,12 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from clis_kernels import masks, pallas_gpu, pallas_gpu_vjp
 from clis_kernels.common import out_struct
-from clis_kernels.stabilizer import EMPTY_LSE, LOG2E, NEG, Certificate, KeyBounds, certify_rows, row_bounds
+from clis_kernels.stabilizer import EMPTY_LSE, LOG2E, Certificate, KeyBounds, certify_rows, row_bounds
 
 COMPUTE_WARPGROUPS = 2
 HEAD_DIMS = (64, 128)
 FAILED_TILE_M = 1e30  # M sent for rows of a tile the XLA certificate failed (real M are far smaller)
+ONLINE_FLOOR = -1e20  # the online loop's starting max (base 2): below any real logit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,7 +190,9 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, 
         if fixed:  # M is loop-invariant: the loop closes over it and carries (acc, l)
           m0 = m_fixed
         else:
-          m0 = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+          # A finite floor, not −inf: a block whose keys are all masked then leaves m at the floor
+          # and adds weight 2^(−inf − floor) = 0; no step forms −inf − (−inf).
+          m0 = plgpu.layout_cast(jnp.full((block_q,), ONLINE_FLOOR, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         l0 = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         carry = (plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), plgpu.Layout.WGMMA),
                  *(() if fixed else (m0,)), l0)
@@ -210,10 +213,9 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, 
             plgpu.barrier_wait(kseg_ready.at[slot])
             k_ids = plgpu.load(kseg_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
             same = lax.broadcast_in_dim(q_ids, qk.shape, [0]) == lax.broadcast_in_dim(k_ids, qk.shape, [1])
-            # Finite NEG, not −inf: a block wholly of other segments must not give the online loop
-            # max = −inf (2^(−inf − (−inf)) is NaN); its bogus weights are rescaled to 0 by the first
-            # block with a visible key, and rows that never see one are padding (zeroed below).
-            qk = jnp.where(same, qk, NEG)
+            # −inf is safe: the online loop's max starts at ONLINE_FLOOR, so a block wholly of other
+            # segments adds 2^(−inf − floor) = 0; rows that never see a key are padding (zeroed below).
+            qk = jnp.where(same, qk, -jnp.inf)
           plgpu.barrier_arrive(k_free.at[slot])  # k and its segment ids are read
           if masked:
             q_pos = row0 + plgpu.broadcasted_iota(jnp.int32, qk.shape, 0, layout=plgpu.Layout.WGMMA)
@@ -277,14 +279,23 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, 
         plgpu.copy_smem_to_gmem(rows, lse_ref.at[batch, head, pl.ds(row0, block_q)])
         plgpu.wait_smem_to_gmem(0)
 
-      if mode == "cert":  # M per row, FAILED_TILE_M where the XLA certificate failed the tile
+      def one_warpgroup_at_a_time(decide):
+        """Runs decide() in warpgroup 0, then in warpgroup 1 (one schedule-barrier phase each).
+        Its warpgroup-wide min goes through shared scratch that the two compute warpgroups share:
+        run together, each could read the other's result (H200: both tiles of a CTA took the
+        same decision)."""
+        pl.when(wg == 1)(take_turn)
+        result = decide()
+        pl.when(wg == 0)(take_turn)
+        return result
+
+      def read_certificate():  # M per row, FAILED_TILE_M where the XLA certificate failed the tile
         plgpu.barrier_wait(m_ready.at[wg])
         m_rows = plgpu.load(rows, layout=plgpu.Layout.WGMMA.reduce(1))
-        certified = jnp.min((m_rows < FAILED_TILE_M / 2).astype(jnp.int32)) > 0
-        pl.when(certified)(lambda: attend(True, m_rows))
-        pl.when(jnp.logical_not(certified))(lambda: attend(False))
-      elif mode == "keys":
-        m_fixed, certified = certify_here()
+        return m_rows, jnp.min((m_rows < FAILED_TILE_M / 2).astype(jnp.int32)) > 0
+
+      if mode in ("cert", "keys"):
+        m_fixed, certified = one_warpgroup_at_a_time(read_certificate if mode == "cert" else certify_here)
         pl.when(certified)(lambda: attend(True, m_fixed))
         pl.when(jnp.logical_not(certified))(lambda: attend(False))
       else:

@@ -12,6 +12,8 @@ dense and accelerated samples (same stem).
 
   python scripts/bench_diffusion.py --weights examples/video_dit/weights.safetensors --out benchmarks/results/x.json
   python scripts/bench_diffusion.py --quick --out /tmp/diff.json     # tiny random model, CPU
+(schedules start with "-": quote them with a leading space, --schedules " -14:-8" " -10:-4", or argparse
+reads them as options)
 """
 
 from __future__ import annotations

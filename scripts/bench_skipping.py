@@ -36,15 +36,15 @@ def random_marks(key, state: diffusion.SkipState, fraction: float) -> diffusion.
 
 def variants(q, k, v, fractions, *, quick: bool):
   """{name: zero-argument timed call} for the dense kernels and the skip kernel at each fraction."""
-  kw = dict(implementation="pallas_gpu", interpret=True) if quick else {}
+  kw = dict(causal=False, **(dict(implementation="pallas_gpu", interpret=True) if quick else {}))
   dense = {
       "clis": functools.partial(attention, stabilizer="clis", **kw),
       "online": functools.partial(attention, stabilizer="online", **kw),
   }
   if not quick:
-    dense["clis_mgpu"] = functools.partial(attention, stabilizer="clis", implementation="pallas_mgpu")
-    dense["online_mgpu"] = functools.partial(attention, stabilizer="online", implementation="pallas_mgpu")
-    dense["cudnn"] = functools.partial(jax.nn.dot_product_attention, implementation="cudnn")
+    dense["clis_mgpu"] = functools.partial(attention, causal=False, stabilizer="clis", implementation="pallas_mgpu")
+    dense["online_mgpu"] = functools.partial(attention, causal=False, stabilizer="online", implementation="pallas_mgpu")
+    dense["cudnn"] = functools.partial(jax.nn.dot_product_attention, is_causal=False, implementation="cudnn")
   fns = {name: functools.partial(jax.jit(f), q, k, v) for name, f in dense.items()}
   bs = pallas_gpu.default_block_sizes(q.shape[-1], q.shape[1], q.dtype)
   empty = diffusion.init_state(q.shape[0], q.shape[2], q.shape[1], bs)
