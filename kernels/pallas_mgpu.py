@@ -162,8 +162,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, 
       def certify_here():
         """(M, certified) of this warpgroup's rows from the K/V pre-pass (stabilizer.row_bounds and
         stabilize, as the Triton kernel's prologue); the flag goes out per row for the stats.
-        Radius, headroom and threshold arrive per row through TMA, as M does in "cert" mode: scalar
-        reads from GMEM at a warpgroup-dependent index gave the other warpgroup's radius on the H200."""
+        Radius, headroom and threshold arrive per row through TMA, as M does in "cert" mode."""
         plgpu.barrier_wait(m_ready.at[wg])
         plgpu.barrier_wait(bounds_ready.at[wg])
         q = plgpu.load(q_smem, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
