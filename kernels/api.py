@@ -210,8 +210,8 @@ def attention(q, k, v, segment_ids=None, *, causal=True, scale=None, stabilizer=
   tau: cap on the certified gap U − L between a row's bound and its lower bound, in
     natural-log units (the dtype's own limit h + T from stabilizer.py applies too).
   implementation: None (TPU → "pallas_tpu", NVIDIA GPU → "pallas_gpu", CPU → "reference"),
-    or one of "pallas_tpu", "pallas_gpu", "pallas_mgpu" (Hopper, bf16/f16, D 64 or 128, no
-    segment_ids: the fastest forward on an H200), "reference", "xla".
+    or one of "pallas_tpu", "pallas_gpu", "pallas_mgpu" (Hopper, bf16/f16, D 64 or 128: the
+    fastest forward on an H200), "reference", "xla".
   block_sizes: the backend's BlockSizes dataclass (default: its heuristics).
   interpret: run a Pallas backend in Pallas interpret mode (on the CPU).
   Returns the output shaped like q, and with return_stats=True also an AttentionStats.

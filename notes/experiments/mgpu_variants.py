@@ -5,8 +5,10 @@ Run 1-3 (row_sum knob, since removed): how a certified row sums its weights — 
 "f32" (Σ p before rounding, as the online path; committed). Runs 1-3 printed NaN for rounded/f32:
 an edit had overwritten their M with −inf (the timings of those runs are still the kernels' cost,
 the outputs were wrong); fixed before the final run, which times the committed kernel only.
-Times each kernel alone (pre-pass outside the timed call), the XLA pre-pass, and the online
-kernel, interleaved; prints each output's relative L2 difference from the online kernel's.
+Now (round 4): where an API call's time goes. Times, interleaved, the kernel alone (online loop;
+certified loop from the XLA certificate; certified loop certifying in its prologue from the K/V
+pre-pass, which is what the API runs), the API calls (clis, online), and the pre-passes alone;
+prints each output's relative L2 difference from the online kernel's.
 
   python notes/experiments/mgpu_variants.py --out $OUT/mgpu_variants.json
 """
@@ -19,7 +21,7 @@ import json
 import jax
 import jax.numpy as jnp
 
-from clis_kernels import pallas_mgpu, stabilizer
+from clis_kernels import attention, pallas_mgpu, stabilizer
 from clis_train import benchmarking
 
 CASES = {"causal_S8192_H32_8": (8192, 32, 8, True), "bidir_S32768_H12": (32768, 12, 12, False)}
@@ -46,19 +48,30 @@ def main():
     scale = 128 ** -0.5
     certify = jax.jit(lambda q, k, v: stabilizer.certify(q, k, v, None, causal=causal, scale=scale, tau=64.0,
                                                          granularity="tile", block_q=bs.tile, seq_len=s))
-    cert = certify(q, k, v)
+    key_bounds = jax.jit(lambda k, v: stabilizer.key_bounds(k, v, None, causal=causal, tau=64.0, block_q=bs.tile,
+                                                            seq_len=s))
+    cert, keys = certify(q, k, v), key_bounds(k, v)
     print(case, "certified fraction", float(cert.certified.mean()), flush=True)
 
-    def kernel(cert):
-      f = jax.jit(lambda q, k, v, cert: pallas_mgpu.forward(q, k, v, None, cert, causal=causal, scale=scale,
-                                                            kv_len=None, block_sizes=bs)[0])
-      return lambda: f(q, k, v, cert)
+    def kernel(cert=None, keys=None):
+      f = jax.jit(lambda q, k, v, cert, keys: pallas_mgpu.forward(
+          q, k, v, None, cert, keys=keys, causal=causal, scale=scale, kv_len=None, block_sizes=bs, seq_len=s)[0])
+      return lambda: f(q, k, v, cert, keys)
 
-    fns = {"online": kernel(None), "clis": kernel(cert), "prepass": lambda: certify(q, k, v)}
+    def api(stabilizer_name):
+      f = jax.jit(lambda q, k, v: attention(q, k, v, causal=causal, stabilizer=stabilizer_name,
+                                            implementation="pallas_mgpu"))
+      return lambda: f(q, k, v)
+
+    # kernel alone: online loop, certified loop from the XLA certificate ("cert") or certifying in its
+    # prologue from the K/V pre-pass ("keys", what the API runs); the API calls; the pre-passes alone
+    fns = {"online": kernel(), "clis_cert": kernel(cert=cert), "clis_keys": kernel(keys=keys),
+           "api_online": api("online"), "api_clis": api("clis"), "key_bounds": lambda: key_bounds(k, v),
+           "certify": lambda: certify(q, k, v)}
     base = fns["online"]().astype(jnp.float32)
     diffs = {}
     for name, fn in fns.items():
-      if name != "prepass":
+      if name not in ("key_bounds", "certify"):
         out = fn().astype(jnp.float32)
         diffs[name] = float(jnp.linalg.norm(out - base) / jnp.linalg.norm(base))
     timings = benchmarking.interleaved_medians(fns, repeats=args.repeats, inner=args.inner)
