@@ -148,26 +148,22 @@ def test_skip_kernel_without_marks_is_dense(implementation, kernel_bs):
   assert ref.rel_err(out, want) < 1e-5  # f32 forward tolerance of the shared test base
 
 
-@pytest.mark.parametrize("track", [True, False])
-def test_skip_kernel_lowers_for_the_gpu(track):
-  """The list-driven loop (scalar loads of tile indices) lowers through Triton for an H200, on the CPU."""
-  q = jax.ShapeDtypeStruct((1, 300, 4, 128), jnp.bfloat16)
-  bs = pallas_gpu.default_block_sizes(128, 300, jnp.bfloat16)
-  state = diffusion.init_state(1, 4, 300, bs)
-  fn = lambda q, k, v, s: diffusion.attention(q, k, v, s, thr=-10.0 if track else -math.inf, block_sizes=bs,
-                                              implementation="pallas_gpu")[0]
-  assert "clis_skip_fwd" in lower_for_h200(fn, q, q, q, state)
+LOWERINGS = {"pallas_gpu": (pallas_gpu, lower_for_h200, 300, "clis_skip_fwd"),
+             "pallas_tpu": (pallas_tpu, lower_for_tpu, 1000, "clis_skip_fwd_tpu")}
 
 
+@pytest.mark.parametrize("implementation", list(LOWERINGS))
 @pytest.mark.parametrize("track", [True, False])
-def test_tpu_skip_kernel_lowers_for_a_tpu(track):
-  """The visit list as scalar-prefetched tables and index maps, at the default 512-row tiles."""
-  q = jax.ShapeDtypeStruct((1, 1000, 4, 128), jnp.bfloat16)
-  bs = pallas_tpu.default_block_sizes(128, 1000, jnp.bfloat16)
-  state = diffusion.init_state(1, 4, 1000, bs)
+def test_skip_kernels_lower_for_their_hardware(implementation, track):
+  """With no GPU or TPU present: the Triton list-driven loop lowers for an H200, the TPU kernel's
+  scalar-prefetched tables and index maps for a TPU v5e, at their default tiles."""
+  backend, lower, seq, name = LOWERINGS[implementation]
+  q = jax.ShapeDtypeStruct((1, seq, 4, 128), jnp.bfloat16)
+  bs = backend.default_block_sizes(128, seq, jnp.bfloat16)
+  state = diffusion.init_state(1, 4, seq, bs)
   fn = lambda q, k, v, s: diffusion.attention(q, k, v, s, thr=-10.0 if track else -math.inf, block_sizes=bs,
-                                              implementation="pallas_tpu")[0]
-  assert "clis_skip_fwd_tpu" in lower_for_tpu(fn, q, q, q, state)
+                                              implementation=implementation)[0]
+  assert name in lower(fn, q, q, q, state)
 
 
 def test_calibration_finds_the_loosest_threshold_within_the_target_error():
