@@ -6,8 +6,9 @@ memory buffers with TMA. The two compute warpgroups take turns on the tensor cor
 "schedule" barrier): while one runs its Q·Kᵀ or P·V wgmma, the other does its softmax.
 
 Each compute warpgroup certifies its block_q rows in its prologue from the q tile it has loaded
-and the K/V pre-pass (stabilizer.key_bounds → row_bounds; no pass over q outside the kernel), or
-reads the XLA certificate (granularity="head"), and runs one of two loops over the KV blocks:
+and the K/V pre-pass (stabilizer.key_bounds → row_bounds → stabilize; no pass over q outside the
+kernel), or reads the XLA certificate (granularity="head", and packed inputs, whose rows each need
+their segment's centre), and runs one of two loops over the KV blocks:
   certified: p = 2^(σ₂·q·kᵀ − M) with the row's fixed M; no row max, no rescale of acc and l.
              l sums the weights before they are rounded for P·V, as the online path does: the
              exact sum of the rounded weights (stabilizer.py, "Normalisation"; the Triton kernel's
@@ -34,7 +35,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from clis_kernels import masks, pallas_gpu, pallas_gpu_vjp
 from clis_kernels.common import out_struct
-from clis_kernels.stabilizer import EMPTY_LSE, LOG2E, Certificate, KeyBounds, certify_rows, row_bounds
+from clis_kernels.stabilizer import EMPTY_LSE, LOG2E, Certificate, KeyBounds, certify_rows, row_bounds, stabilize
 
 COMPUTE_WARPGROUPS = 2
 HEAD_DIMS = (64, 128)
@@ -174,10 +175,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, 
           plgpu.barrier_wait(kdiag_ready.at[wg])
           k_diag = plgpu.load(kdiag_smem.at[wg], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
         upper, lower = row_bounds(q, lax.broadcast_in_dim(centre, q.shape, [1]), radius, k_diag, sigma2=sigma2)
-        # stabilize() without its padding mask: padded rows are zero (the API pads with zeros), so
-        # U = L = 0 there, they pass, and M = max(0, −h) = 0, as stabilize gives them.
-        m = jnp.maximum(lower, upper - headroom)
-        row_ok = upper - lower <= threshold
+        m, row_ok = stabilize(upper, lower, headroom, threshold)  # rows the API padded are zero: they pass
         certified = jnp.min(row_ok.astype(jnp.int32))
         flag_smem.at[wg][...] = plgpu.layout_cast(jnp.full((block_q,), certified.astype(jnp.float32)),
                                                   plgpu.Layout.WGMMA.reduce(1))
