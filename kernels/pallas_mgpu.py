@@ -32,7 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from clis_kernels import masks, pallas_gpu, pallas_gpu_vjp
+from clis_kernels import masks, pallas_gpu, pallas_gpu_vjp, pallas_mgpu_vjp
 from clis_kernels.common import out_struct
 from clis_kernels.stabilizer import EMPTY_LSE, LOG2E, Certificate, KeyBounds, certify_rows, row_bounds
 
@@ -48,12 +48,13 @@ class BlockSizes:
 
   block_q: rows per compute warpgroup (a CTA holds 2·block_q rows); also the certificate tile.
   block_kv: keys per pipeline step; slots: K/V blocks in flight (shared-memory buffers).
+  backward: pallas_gpu.BlockSizes (the Triton backward) or pallas_mgpu_vjp.BlockSizes (Mosaic GPU).
   """
 
   block_q: int = 64
   block_kv: int = 128
   slots: int = 2
-  backward: pallas_gpu.BlockSizes = pallas_gpu.BlockSizes()
+  backward: pallas_gpu.BlockSizes | pallas_mgpu_vjp.BlockSizes = pallas_gpu.BlockSizes()
 
   def __post_init__(self):
     if self.block_q != 64:
@@ -62,8 +63,9 @@ class BlockSizes:
       raise ValueError(f"{self.block_kv=} must be 64 or 128 (larger K/V blocks overflow shared memory at D=128)")
     if self.slots < 2:
       raise ValueError(f"{self.slots=} must be at least 2 (one block computing while the next loads)")
-    if not isinstance(self.backward, pallas_gpu.BlockSizes):
-      raise ValueError(f"backward must be a pallas_gpu.BlockSizes; got {type(self.backward).__name__}")
+    if not isinstance(self.backward, (pallas_gpu.BlockSizes, pallas_mgpu_vjp.BlockSizes)):
+      raise ValueError("backward must be a pallas_gpu.BlockSizes (Triton) or a pallas_mgpu_vjp.BlockSizes "
+                       f"(Mosaic GPU); got {type(self.backward).__name__}")
 
   @property
   def tile(self) -> int:
@@ -406,6 +408,9 @@ def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv
 
 
 def backward(q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_sizes: BlockSizes, interpret=False):
-  """The Triton backward (pallas_gpu_vjp) from this forward's o and base-2 lse."""
+  """The backward block_sizes.backward names (Triton or Mosaic GPU), from this forward's o and base-2 lse."""
+  if isinstance(block_sizes.backward, pallas_mgpu_vjp.BlockSizes):
+    return pallas_mgpu_vjp.backward(q, k, v, segment_ids, o, lse, do, causal=causal, scale=scale, kv_len=kv_len,
+                                    block_sizes=block_sizes.backward)
   return pallas_gpu_vjp.backward(q, k, v, segment_ids, o, lse, do, causal=causal, scale=scale, kv_len=kv_len,
                                  block_sizes=block_sizes.backward, interpret=interpret)

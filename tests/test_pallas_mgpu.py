@@ -14,7 +14,7 @@ import pytest
 
 import f64_reference as ref
 from attention_base import CLIS_VS_ONLINE, TOLERANCE, lower_for_h200, packed_segments, random_inputs
-from clis_kernels import attention, pallas_gpu, pallas_mgpu
+from clis_kernels import attention, pallas_gpu, pallas_mgpu, pallas_mgpu_vjp
 
 ON_GPU = jax.devices()[0].platform == "gpu"
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernels run on an NVIDIA Hopper GPU only")
@@ -43,6 +43,34 @@ def test_kernel_lowers_for_the_gpu(monkeypatch, causal, seq, d, stabilizer, gran
   assert "mosaic_gpu" in text
   for name in ("clis_bwd_dq", "clis_bwd_dkv"):
     assert name in text
+
+
+MOSAIC_BACKWARD = pallas_mgpu.BlockSizes(backward=pallas_mgpu_vjp.BlockSizes())
+
+
+@pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
+@pytest.mark.parametrize("causal,seq,d,hkv,packed", [
+    (True, 256, 128, 2, False), (False, 200, 64, 8, False), (True, 256, 64, 2, True), (False, 256, 128, 8, True)])
+def test_mosaic_backward_lowers_for_the_gpu(monkeypatch, causal, seq, d, hkv, packed):
+  """With backward=pallas_mgpu_vjp.BlockSizes(), forward, dQ and dK/dV are three Mosaic GPU kernels
+  (no Triton kernel left), GQA and MHA, odd lengths padded, packed segments."""
+  monkeypatch.setattr("clis_kernels.api._platform", lambda: "gpu")
+  q = jax.ShapeDtypeStruct((1, seq, 8, d), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, seq, hkv, d), jnp.bfloat16)
+  seg = jax.ShapeDtypeStruct((1, seq), jnp.int32) if packed else None
+
+  def loss(q, k, v, seg):
+    return attention(q, k, v, seg, causal=causal, implementation="pallas_mgpu",
+                     block_sizes=MOSAIC_BACKWARD).astype(jnp.float32).sum()
+
+  text = lower_for_h200(jax.grad(loss, argnums=(0, 1, 2)), q, k, k, seg)
+  assert text.count("custom_call @mosaic_gpu") == 3 and "clis_bwd" not in text
+
+
+def test_mosaic_backward_block_sizes_are_validated():
+  with pytest.raises(ValueError, match="slots=1 must be at least 2"):
+    pallas_mgpu_vjp.BlockSizes(slots=1)
+  assert MOSAIC_BACKWARD.multiple == 128
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -106,6 +134,25 @@ def test_forward_and_gradients_match_float64_on_gpu(case):
   assert float(stats.certified_fraction) == 1.0
   if packed:  # padding rows (id 0) give exactly 0
     np.testing.assert_array_equal(np.asarray(got[0][seg == 0], np.float32), 0.0)
+
+
+@needs_gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
+def test_mosaic_backward_matches_float64_on_gpu(case):
+  """The Mosaic GPU backward: gradients against float64, as accurate as the Triton backward's."""
+  name, batch, seq, hq, hkv, d, causal, packed = case
+  q, k, v, do = random_inputs(len(name), batch, seq, hq, hkv, d, jnp.bfloat16)
+  seg = packed_segments(len(name), batch, seq) if packed else None
+  want = ref.attention(q, k, v, do, seg, causal=causal)[1:]
+  errors = {}
+  for label, bs in (("mosaic", MOSAIC_BACKWARD), ("triton", pallas_mgpu.BlockSizes())):
+    f = lambda q, k, v: attention(q, k, v, seg, causal=causal, implementation="pallas_mgpu", block_sizes=bs)
+    grads = jax.vjp(f, q, k, v)[1](do)
+    assert all(bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in grads), label
+    errors[label] = [ref.rel_err(g, w) for g, w in zip(grads, want)]
+  assert max(errors["mosaic"]) < TOLERANCE[jnp.bfloat16][1], errors
+  for mosaic, triton in zip(errors["mosaic"], errors["triton"]):
+    assert mosaic <= CLIS_VS_ONLINE * triton, errors
 
 
 @needs_gpu
