@@ -6,8 +6,9 @@ layer's thr to a relative L1 target every step (--calibrate; eager, so its step 
 comparable). Records per step: latency (a second, warm run of the sampler),
 the self-attention time of all layers (each layer's attention timed alone on the step's skip
 state, variants interleaved), and the fraction of tiles skipped; per variant: PSNR and SSIM of
-the final videos against the dense XLA sample from the same noise. Writes JSON records, a
-markdown table, a PNG plot of sparsity and attention time per step, and an image strip of
+the final videos against the dense XLA sample from the same noise (run first; without xla, the
+first variant's). The JSON records are rewritten after every variant, so a run cut short keeps what
+it measured; at the end come a markdown table, a PNG plot of sparsity and attention time per step, and an image strip of
 dense and accelerated samples (same stem).
 
   python scripts/bench_diffusion.py --weights examples/video_dit/weights.safetensors --out benchmarks/results/x.json
@@ -149,7 +150,10 @@ def main():
       variants += [(impl, ("cal", target)) for target in args.calibrate]
     else:
       variants.append((impl, None))
+  variants.sort(key=lambda v: v[0] != "xla")  # the dense XLA sample first: the quality reference
 
+  out = pathlib.Path(args.out or benchmarking.default_output("diffusion_quick" if args.quick else "diffusion"))
+  out.parent.mkdir(parents=True, exist_ok=True)
   meta = benchmarking.device_meta()
   videos, records = {}, []
   for impl, sched in variants:
@@ -176,15 +180,12 @@ def main():
                         step_ms=float(np.median([s["ms"] for s in per_step])),
                         attention_ms=float(np.sum(att)), mean_sparsity=float(np.mean([s["sparsity"] for s in per_step])),
                         **meta))
+    records[-1]["psnr_db"], records[-1]["ssim"] = quality(video, next(iter(videos.values())))
+    out.write_text(json.dumps(records, indent=1))  # after every variant: a run cut short keeps what it measured
     print(f"{label}: median step {records[-1]['step_ms']:.2f} ms, attention {records[-1]['attention_ms']:.2f} ms "
-          f"over {args.steps} steps, mean sparsity {records[-1]['mean_sparsity']:.3f}", flush=True)
-  reference = videos["xla"] if "xla" in videos else next(iter(videos.values()))
-  for r in records:
-    r["psnr_db"], r["ssim"] = quality(videos[r["impl"]], reference)
+          f"over {args.steps} steps, mean sparsity {records[-1]['mean_sparsity']:.3f}, "
+          f"PSNR {records[-1]['psnr_db']:.2f} dB, SSIM {records[-1]['ssim']:.4f}", flush=True)
 
-  out = pathlib.Path(args.out or benchmarking.default_output("diffusion_quick" if args.quick else "diffusion"))
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(records, indent=1))
   base = {r["impl"]: r for r in records}
   dense = base.get("clis") or records[0]
   lines = ["| impl | median step ms | attention ms (all steps) | vs clis dense | mean sparsity | PSNR dB | SSIM |",
