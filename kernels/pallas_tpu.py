@@ -112,6 +112,35 @@ def block_mask(q_block, kv_block, qseg_ref, kseg_ref, *, causal, kv_len, block_q
                        q_seg, k_seg, causal=causal, kv_len=kv_len)
 
 
+def tile_update(s, v, m_scr, l_scr, acc_scr, *, fixed: bool, precision):
+  """Adds one kv tile (base-2 logits s [bq, bk], values v [bk, D]) to the f32 scratch
+  accumulators; returns the stabilizer in force after it ([bq, 1])."""
+  m_prev = m_scr[...]
+  if fixed:  # the stabilizer is loop-invariant: no max, no rescale
+    p = jnp.exp2(s - m_prev).astype(v.dtype)  # l sums the weights that multiplied V
+    l_scr[...] += p.astype(jnp.float32).sum(axis=1, keepdims=True)
+    acc_scr[...] += nn_dot(p, v, precision)
+    return m_prev
+  m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
+  alpha = jnp.exp2(m_prev - m_new)
+  p = jnp.exp2(s - m_new)
+  m_scr[...] = m_new
+  l_scr[...] = alpha * l_scr[...] + p.sum(axis=1, keepdims=True)
+  acc_scr[...] = alpha * acc_scr[...] + nn_dot(p.astype(v.dtype), v, precision)
+  return m_new
+
+
+def finish(acc_scr, m_scr, l_scr, o_ref, lse_ref):
+  """o = acc / l and lse = M + log2 l; rows that saw no key get 0 and EMPTY_LSE. Returns
+  (empty [bq, 1], l with 1 on empty rows)."""
+  l, m = l_scr[...], m_scr[...]
+  empty = (l == 0.0) | (m == NEG)
+  l_safe = jnp.where(empty, 1.0, l)
+  o_ref[...] = jnp.where(empty, 0.0, acc_scr[...] / l_safe).astype(o_ref.dtype)
+  lse_ref[...] = jnp.where(empty, EMPTY_LSE, m + jnp.log2(l_safe))
+  return empty, l_safe
+
+
 def _fwd_kernel(cert_ref, *refs, has_segments, fixed_mode, causal, sigma2, block_q, block_k, kv_len,
                 num_q_blocks, num_kv_blocks, num_heads, precision):
   q_ref, k_ref, v_ref = refs[:3]
@@ -134,18 +163,7 @@ def _fwd_kernel(cert_ref, *refs, has_segments, fixed_mode, causal, sigma2, block
     if masked:
       mask = block_mask(i, j, qseg_ref, kseg_ref, causal=causal, kv_len=kv_len, block_q=block_q, block_k=block_k)
       s = jnp.where(mask, s, NEG)
-    m_prev = m_scr[...]
-    if fixed:  # the stabilizer is loop-invariant: no max, no rescale
-      p = jnp.exp2(s - m_prev).astype(v_ref.dtype)  # l sums the weights that multiplied V
-      l_scr[...] += p.astype(jnp.float32).sum(axis=1, keepdims=True)
-      acc_scr[...] += nn_dot(p, v_ref[...], precision)
-    else:
-      m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
-      alpha = jnp.exp2(m_prev - m_new)
-      p = jnp.exp2(s - m_new)
-      m_scr[...] = m_new
-      l_scr[...] = alpha * l_scr[...] + p.sum(axis=1, keepdims=True)
-      acc_scr[...] = alpha * acc_scr[...] + nn_dot(p.astype(v_ref.dtype), v_ref[...], precision)
+    tile_update(s, v_ref[...], m_scr, l_scr, acc_scr, fixed=fixed, precision=precision)
 
   runs, needs_mask = block_flags(i, j, causal=causal, has_segments=has_segments, kv_len=kv_len,
                                  block_q=block_q, block_k=block_k)
@@ -156,11 +174,7 @@ def _fwd_kernel(cert_ref, *refs, has_segments, fixed_mode, causal, sigma2, block
 
   @pl.when(j == num_kv_blocks - 1)
   def _finish():
-    l, m = l_scr[...], m_scr[...]
-    empty = (l == 0.0) | (m == NEG)
-    l_safe = jnp.where(empty, 1.0, l)
-    o_ref[...] = jnp.where(empty, 0.0, acc_scr[...] / l_safe).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(empty, EMPTY_LSE, m + jnp.log2(l_safe))
+    finish(acc_scr, m_scr, l_scr, o_ref, lse_ref)
 
 
 def to_head_major(x):

@@ -40,6 +40,15 @@ def lower_for_h200(fn, *args):
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
+def lower_for_tpu(fn, *args):
+  """Lowers fn for a TPU v5e on a machine with no TPU (Pallas's Mosaic TPU lowering runs in Python
+  and checks block shapes and layouts; the compiler's own checks still need a TPU)."""
+  device = jax.sharding.AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
+  mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,), abstract_device=device)
+  with jax.sharding.use_abstract_mesh(mesh):
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+
+
 def random_inputs(seed, batch, seq, hq, hkv, d, dtype, *, key_offset=0.5):
   """q, k, v, dout; keys share a common component, as in trained models."""
   kq, kk, kv, kd, kc = jax.random.split(jax.random.PRNGKey(seed), 5)

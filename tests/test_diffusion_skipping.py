@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import f64_reference as ref
-from attention_base import lower_for_h200
-from clis_kernels import attention, diffusion, pallas_gpu, reference
+from attention_base import lower_for_h200, lower_for_tpu
+from clis_kernels import attention, diffusion, pallas_gpu, pallas_tpu, reference
 
 BS = reference.BlockSizes(block_q=16, block_k=16)
 
@@ -105,23 +105,27 @@ def test_state_shape_is_checked():
 
 GPU_BS = pallas_gpu.BlockSizes(block_q=16, block_k=16, block_k_fixed=16, block_q_dq=16, block_k_dq=16,
                                block_q_dkv=16, block_k_dkv=16, num_warps=4, num_stages=2)
+TPU_BS = pallas_tpu.BlockSizes(*(16,) * 6)
+KERNELS = [("pallas_gpu", GPU_BS), ("pallas_tpu", TPU_BS)]
 
 
+@pytest.mark.parametrize("implementation,kernel_bs", KERNELS, ids=[k[0] for k in KERNELS])
 @pytest.mark.parametrize("stabilizer_name", ["clis", "online"])
-def test_skip_kernel_marks_like_the_reference_and_keeps_the_bound(stabilizer_name):
-  """The Triton skip kernel (interpret mode) forms the same marking statistic as the reference,
-  runs dense when nothing is marked, and stays within the promised bound when tiles are left out."""
+def test_skip_kernel_marks_like_the_reference_and_keeps_the_bound(stabilizer_name, implementation, kernel_bs):
+  """Each skip kernel (Triton, Mosaic TPU; interpret mode) forms the same marking statistic as the
+  reference, runs dense when nothing is marked, and stays within the promised bound when tiles are
+  left out."""
   q, k, v = local_inputs(5)
   thr = -12.0
   run = lambda impl, bs, state: diffusion.attention(q, k, v, state, thr=thr, block_sizes=bs, implementation=impl,
-                                                    interpret=impl == "pallas_gpu", stabilizer_name=stabilizer_name)
+                                                    interpret=impl != "reference", stabilizer_name=stabilizer_name)
   ref_out, ref_state, _ = run("reference", BS, diffusion.init_state(1, 2, 90, BS))
-  gpu_out, gpu_state, _ = run("pallas_gpu", GPU_BS, diffusion.init_state(1, 2, 90, GPU_BS))
+  gpu_out, gpu_state, _ = run(implementation, kernel_bs, diffusion.init_state(1, 2, 90, kernel_bs))
   np.testing.assert_array_equal(np.asarray(gpu_state.skip), np.asarray(ref_state.skip))
   assert 0.1 < float(gpu_state.skip.mean()) < 0.9
   want = ref.attention(q, k, v, jnp.zeros_like(q), causal=False)[0]
   assert ref.rel_err(gpu_out, want) < 1e-5  # the marking call itself is dense
-  second, _, stats = run("pallas_gpu", GPU_BS, gpu_state)
+  second, _, stats = run(implementation, kernel_bs, gpu_state)
   assert float(stats.sparsity) == float(gpu_state.skip.mean())
   skipped_per_row = np.repeat(np.asarray(gpu_state.skip).sum(-1), 16, axis=-1)[..., :90]
   delta = skipped_per_row * 2.0 ** thr
@@ -133,25 +137,33 @@ def test_skip_kernel_marks_like_the_reference_and_keeps_the_bound(stabilizer_nam
   assert ref.rel_err(second, ref_second) < 1e-5  # same tiles left out, same result
 
 
-def test_skip_kernel_without_marks_is_dense():
+@pytest.mark.parametrize("implementation,kernel_bs", KERNELS, ids=[k[0] for k in KERNELS])
+def test_skip_kernel_without_marks_is_dense(implementation, kernel_bs):
   q, k, v = local_inputs(6, seq=70)
-  state = diffusion.init_state(1, 2, 70, GPU_BS)
-  out, state, _ = diffusion.attention(q, k, v, state, thr=-math.inf, block_sizes=GPU_BS, implementation="pallas_gpu",
-                                      interpret=True)
+  state = diffusion.init_state(1, 2, 70, kernel_bs)
+  out, state, _ = diffusion.attention(q, k, v, state, thr=-math.inf, block_sizes=kernel_bs,
+                                      implementation=implementation, interpret=True)
   assert not bool(state.skip.any())
   want = ref.attention(q, k, v, jnp.zeros_like(q), causal=False)[0]
   assert ref.rel_err(out, want) < 1e-5  # f32 forward tolerance of the shared test base
 
 
+LOWERINGS = {"pallas_gpu": (pallas_gpu, lower_for_h200, 300, "clis_skip_fwd"),
+             "pallas_tpu": (pallas_tpu, lower_for_tpu, 1000, "clis_skip_fwd_tpu")}
+
+
+@pytest.mark.parametrize("implementation", list(LOWERINGS))
 @pytest.mark.parametrize("track", [True, False])
-def test_skip_kernel_lowers_for_the_gpu(track):
-  """The list-driven loop (scalar loads of tile indices) lowers through Triton for an H200, on the CPU."""
-  q = jax.ShapeDtypeStruct((1, 300, 4, 128), jnp.bfloat16)
-  bs = pallas_gpu.default_block_sizes(128, 300, jnp.bfloat16)
-  state = diffusion.init_state(1, 4, 300, bs)
+def test_skip_kernels_lower_for_their_hardware(implementation, track):
+  """With no GPU or TPU present: the Triton list-driven loop lowers for an H200, the TPU kernel's
+  scalar-prefetched tables and index maps for a TPU v5e, at their default tiles."""
+  backend, lower, seq, name = LOWERINGS[implementation]
+  q = jax.ShapeDtypeStruct((1, seq, 4, 128), jnp.bfloat16)
+  bs = backend.default_block_sizes(128, seq, jnp.bfloat16)
+  state = diffusion.init_state(1, 4, seq, bs)
   fn = lambda q, k, v, s: diffusion.attention(q, k, v, s, thr=-10.0 if track else -math.inf, block_sizes=bs,
-                                              implementation="pallas_gpu")[0]
-  assert "clis_skip_fwd" in lower_for_h200(fn, q, q, q, state)
+                                              implementation=implementation)[0]
+  assert name in lower(fn, q, q, q, state)
 
 
 def test_calibration_finds_the_loosest_threshold_within_the_target_error():

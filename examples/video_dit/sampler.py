@@ -16,16 +16,18 @@ import jax
 import jax.numpy as jnp
 
 from clis_kernels import attention as clis_attention
-from clis_kernels import diffusion, pallas_gpu, reference
+from clis_kernels import diffusion, pallas_gpu, pallas_tpu, reference
 from examples.video_dit.model import DiTConfig, VideoDiT
 
 BACKENDS = ("xla", "cudnn", "online", "clis", "online_skip", "clis_skip")
 
 
 def skip_implementation() -> tuple[str, object]:
-  """(implementation, block sizes) of the skip path on this platform: the Triton kernel on GPUs."""
-  if jax.devices()[0].platform == "gpu":
-    return "pallas_gpu", None
+  """(implementation, block sizes) of the skip path on this platform: the Triton kernel on GPUs,
+  the Mosaic TPU kernel on TPUs, the reference elsewhere."""
+  platform = jax.devices()[0].platform
+  if platform in ("gpu", "tpu"):
+    return f"pallas_{platform}", None
   return "reference", reference.BlockSizes(block_q=64, block_k=64)
 
 
@@ -62,7 +64,9 @@ def make_calibrating_attend(name: str, target: float, thrs: list):
 
 def init_skip_states(cfg: DiTConfig, batch: int):
   impl, bs = skip_implementation()
-  bs = bs or pallas_gpu.default_block_sizes(cfg.head_dim, cfg.tokens, jnp.dtype(cfg.dtype))
+  if bs is None:  # the kernel's default tiles, as diffusion.attention picks them
+    backend = {"pallas_gpu": pallas_gpu, "pallas_tpu": pallas_tpu}[impl]
+    bs = backend.default_block_sizes(cfg.head_dim, cfg.tokens, jnp.dtype(cfg.dtype))
   return [diffusion.init_state(batch, cfg.heads, cfg.tokens, bs) for _ in range(cfg.layers)]
 
 

@@ -14,8 +14,8 @@ max, never above the final one) and l_i the final sum in the final stabilizer's 
     max_{j∈u} t_ij − lse_i ≤ (max_{j∈u} t_ij − m_iu) − log2 l_i ≤ gap_u − log2_l,
 gap_u = max over the tile's real rows of the first term, log2_l = min over them of log2 l_i.
 A tile is marked when gap_u − log2_l + log2 block_k < thr (thr in log2 units; −inf marks
-nothing): then every row's weight on it is < 2^thr. Both paths (reference, pallas_gpu) form
-exactly these two per-tile numbers.
+nothing): then every row's weight on it is < 2^thr. Every path (reference, pallas_gpu,
+pallas_tpu) forms exactly these two per-tile numbers.
 Guarantee: if row i leaves out tiles of total weight δ_i = Σ w_iu (weights of the inputs of
 that call), its output moves by at most δ_i / (1 − δ_i) · max_j ‖v_j − o_i‖∞ ≤ 2·δ_i/(1 − δ_i)·max|v|,
 and δ_i < (number of skipped tiles)·2^thr. A q tile may skip at most 2^(−thr−1) tiles (those with
@@ -32,8 +32,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from clis_kernels import api, masks, pallas_gpu, reference, stabilizer
-from clis_kernels.diffusion import pallas_gpu_skip
+from clis_kernels import api, masks, pallas_gpu, pallas_tpu, reference, stabilizer
+from clis_kernels.diffusion import pallas_gpu_skip, pallas_tpu_skip
 from clis_kernels.stabilizer import NEG
 
 
@@ -99,14 +99,15 @@ def attention(q, k, v, state: SkipState, *, thr, scale: float | None = None, blo
 
   q [B, S, H, D], k/v [B, Sk, Hkv, D]. thr: log2 threshold, a float (−inf: mark nothing, and
   skip the marking work) or a traced scalar (a schedule under one jit; marks when finite).
-  implementation: "reference" (pure JAX) or "pallas_gpu" (the Triton skip kernel;
-  interpret=True runs it on the CPU). block_sizes: that backend's.
+  implementation: "reference" (pure JAX), "pallas_gpu" (the Triton skip kernel) or "pallas_tpu"
+  (the Mosaic TPU one); interpret=True runs a kernel on the CPU. block_sizes: that backend's.
   Returns (out like q, new SkipState, SkipStats).
   """
   api._validate(q, k, v, None, False, stabilizer_name, "tile", tau)
-  if implementation not in ("reference", "pallas_gpu"):
-    raise ValueError(f"{implementation=} must be 'reference' or 'pallas_gpu' for skipping")
-  backend = reference if implementation == "reference" else pallas_gpu
+  backends = {"reference": reference, "pallas_gpu": pallas_gpu, "pallas_tpu": pallas_tpu}
+  if implementation not in backends:
+    raise ValueError(f"{implementation=} must be one of {tuple(backends)} for skipping")
+  backend = backends[implementation]
   scale = float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1])
   bs = block_sizes or backend.default_block_sizes(q.shape[-1], max(q.shape[1], k.shape[1]), q.dtype)
   if not isinstance(bs, backend.BlockSizes):
@@ -124,9 +125,13 @@ def attention(q, k, v, state: SkipState, *, thr, scale: float | None = None, blo
     keys = stabilizer.key_bounds(kp, vp, None, causal=False, tau=tau, block_q=bq, seq_len=kv_seq_len)
   track = not isinstance(thr, (int, float)) or thr > -math.inf
 
+  cert = None
+  if keys is not None and implementation != "pallas_gpu":  # the Triton kernel certifies in its prologue
+    cert = stabilizer.certify_rows(qp, kp, None, keys, causal=False, scale=scale, granularity="tile", block_q=bq,
+                                   seq_len=seq_len)
+  visit = jnp.argsort(state.skip, axis=-1, stable=True).astype(jnp.int32)  # kept tiles first, in order
+  count = (~state.skip).sum(-1).astype(jnp.int32)
   if implementation == "reference":
-    cert = None if keys is None else stabilizer.certify_rows(qp, kp, None, keys, causal=False, scale=scale,
-                                                              granularity="tile", block_q=bq, seq_len=seq_len)
     out, _, (gap_rows, log2_l_rows) = reference.forward_with_tiles(
         qp, kp, vp, None, cert, causal=False, scale=scale, kv_len=kv_len, block_sizes=bs, tile_skip=state.skip,
         tile_gap=True)
@@ -134,11 +139,12 @@ def attention(q, k, v, state: SkipState, *, thr, scale: float | None = None, blo
     per_tile = lambda x: x.reshape(x.shape[0], x.shape[1], nq, bq, *x.shape[3:])
     gap = per_tile(jnp.where(real[..., None], gap_rows, NEG)).max(axis=3)
     log2_l = per_tile(jnp.where(real, log2_l_rows, jnp.inf)).min(axis=3)
+  elif implementation == "pallas_tpu":
+    out, _, gap, log2_l = pallas_tpu_skip.forward(qp, kp, vp, visit, count, cert, scale=scale, kv_len=kv_len,
+                                                  seq_len=seq_len, block_sizes=bs, track=track, interpret=interpret)
   else:
     nk_pad = max(16, 1 << (nk - 1).bit_length())
-    visit = jnp.argsort(state.skip, axis=-1, stable=True).astype(jnp.int32)  # kept tiles first, in order
     visit = jnp.pad(visit, [(0, 0)] * 3 + [(0, nk_pad - nk)])
-    count = (~state.skip).sum(-1).astype(jnp.int32)
     out, _, _, gap, log2_l = pallas_gpu_skip.forward(qp, kp, vp, visit, count, keys, scale=scale, kv_len=kv_len,
                                                      seq_len=seq_len, block_sizes=bs, track=track,
                                                      interpret=interpret)
