@@ -49,12 +49,15 @@ class BlockSizes:
   block_q: rows per compute warpgroup (a CTA holds 2·block_q rows); also the certificate tile.
   block_kv: keys per pipeline step; slots: K/V blocks in flight (shared-memory buffers).
   backward: pallas_gpu.BlockSizes (the Triton backward) or pallas_mgpu_vjp.BlockSizes (Mosaic GPU).
+  pingpong: the two compute warpgroups take turns on the tensor cores (FA3's schedule); False lets
+  both issue wgmma as soon as their operands are ready.
   """
 
   block_q: int = 64
   block_kv: int = 128
   slots: int = 2
   backward: pallas_gpu.BlockSizes | pallas_mgpu_vjp.BlockSizes = pallas_gpu.BlockSizes()
+  pingpong: bool = True
 
   def __post_init__(self):
     if self.block_q != 64:
@@ -98,7 +101,7 @@ def _check(q, k, cert, scale, interpret):
 
 
 def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, block_q: int, block_kv: int,
-            slots: int, kv_len: int | None, group: int, has_segments: bool):
+            slots: int, kv_len: int | None, group: int, has_segments: bool, pingpong: bool):
   m_ref = centre_ref = bounds_ref = flags_ref = qseg_ref = kseg_ref = None
   if has_segments:
     (qseg_ref, kseg_ref), refs = refs[:2], refs[2:]
@@ -135,6 +138,10 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, 
     def take_turn():  # hand the tensor cores to the other compute warpgroup and wait for them back
       plgpu.barrier_arrive(schedule)
       plgpu.barrier_wait(schedule)
+
+    def turn():  # take_turn inside the KV loop, when the warpgroups ping-pong
+      if pingpong:
+        take_turn()
 
     @pl.when(wg < COMPUTE_WARPGROUPS)
     def _compute():
@@ -198,7 +205,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, 
         carry = (plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), plgpu.Layout.WGMMA),
                  *(() if fixed else (m0,)), l0)
         plgpu.barrier_wait(k_ready.at[0])
-        pl.when(wg == 1)(take_turn)  # warpgroup 1 starts half a step behind warpgroup 0
+        pl.when(wg == 1)(turn)  # warpgroup 1 starts half a step behind warpgroup 0
 
         def step(i, carry, masked: bool):
           acc, m, l = (carry[0], m0, carry[1]) if fixed else carry
@@ -206,7 +213,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, 
 
           def qk_scope(acc_ref):
             plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
-            take_turn()
+            turn()
             return acc_ref[...]
 
           qk = pl.run_scoped(qk_scope, plgpu.ACC((block_q, block_kv), jnp.float32))
@@ -237,9 +244,11 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, 
             acc, l, p_low = lax.optimization_barrier((acc, l, p_low))
           else:
             acc, m, l, p_low = lax.optimization_barrier((acc, m, l, p_low))
-          plgpu.barrier_arrive(schedule)  # softmax done
+          if pingpong:
+            plgpu.barrier_arrive(schedule)  # softmax done
           plgpu.barrier_wait(v_ready.at[slot])
-          plgpu.barrier_wait(schedule)  # tensor cores free again
+          if pingpong:
+            plgpu.barrier_wait(schedule)  # tensor cores free again
 
           def pv(acc_ref):
             plgpu.wgmma(acc_ref, p_low, v_smem.at[slot])
@@ -256,16 +265,19 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, 
         carry = lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
         if masked_steps:
           carry = lax.fori_loop(full, total, functools.partial(step, masked=True), carry)
-        if causal:  # blocks the other warpgroup still needs: release them and keep taking turns
+        if causal:  # blocks the other warpgroup still needs: release them in step with its loop
           def drain(i, _):
             slot = lax.rem(i, jnp.int32(slots))
+            if not pingpong:  # without the schedule's lockstep, wait for each block before releasing it
+              for barrier in (k_ready, v_ready) + ((kseg_ready,) if has_segments else ()):
+                plgpu.barrier_wait(barrier.at[slot])
             plgpu.barrier_arrive(k_free.at[slot])
             plgpu.barrier_arrive(v_free.at[slot])
-            take_turn()
-            take_turn()
+            turn()
+            turn()
 
           lax.fori_loop(total, cta_blocks, drain, None)
-        pl.when(wg == 0)(take_turn)
+        pl.when(wg == 0)(turn)
         acc, m, l = (carry[0], m0, carry[1]) if fixed else carry
         o = acc * lax.broadcast_in_dim(1.0 / l, acc.shape, [0])
         lse = m + jnp.log2(l)
@@ -378,7 +390,7 @@ def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv
   kernel = functools.partial(
       _kernel, mode=mode, causal=causal, sigma2=scale * LOG2E, block_q=bs.block_q,
       block_kv=bs.block_kv, slots=min(bs.slots, k.shape[1] // bs.block_kv), kv_len=kv_len,
-      group=num_heads // k.shape[2], has_segments=segment_ids is not None)
+      group=num_heads // k.shape[2], has_segments=segment_ids is not None, pingpong=bs.pingpong)
   args = [q, k, v]
   if segment_ids is not None:  # key id 0 (padding) becomes −1: it then matches no query, padding included
     args += [segment_ids.astype(jnp.int32), jnp.where(segment_ids == 0, -1, segment_ids).astype(jnp.int32)]

@@ -67,6 +67,17 @@ def test_mosaic_backward_lowers_for_the_gpu(monkeypatch, causal, seq, d, hkv, pa
   assert text.count("custom_call @mosaic_gpu") == 3 and "clis_bwd" not in text
 
 
+@pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
+@pytest.mark.parametrize("causal,packed", [(True, False), (False, False), (True, True)])
+def test_forward_without_pingpong_lowers_for_the_gpu(monkeypatch, causal, packed):
+  monkeypatch.setattr("clis_kernels.api._platform", lambda: "gpu")
+  q = jax.ShapeDtypeStruct((1, 384, 4, 128), jnp.bfloat16)
+  seg = jax.ShapeDtypeStruct((1, 384), jnp.int32) if packed else None
+  fn = lambda q, k, v, seg: attention(q, k, v, seg, causal=causal, implementation="pallas_mgpu",
+                                      block_sizes=pallas_mgpu.BlockSizes(pingpong=False))
+  assert "mosaic_gpu" in lower_for_h200(fn, q, q, q, seg)
+
+
 def test_mosaic_backward_block_sizes_are_validated():
   with pytest.raises(ValueError, match="slots=1 must be at least 2"):
     pallas_mgpu_vjp.BlockSizes(slots=1)
@@ -199,9 +210,10 @@ def test_matches_the_triton_backend_on_gpu():
 
 
 @needs_gpu
-@pytest.mark.parametrize("block_kv,slots", [(128, 2), (64, 2), (64, 3), (64, 4)])
-def test_every_tile_config_is_exact_on_gpu(block_kv, slots):
-  bs = pallas_mgpu.BlockSizes(block_kv=block_kv, slots=slots)
+@pytest.mark.parametrize("block_kv,slots,pingpong", [(128, 2, True), (64, 2, True), (64, 3, True), (64, 4, True),
+                                                     (128, 2, False), (64, 3, False)])
+def test_every_tile_config_is_exact_on_gpu(block_kv, slots, pingpong):
+  bs = pallas_mgpu.BlockSizes(block_kv=block_kv, slots=slots, pingpong=pingpong)
   for causal, seq in ((True, 640), (False, 1000)):
     q, k, v, do = random_inputs(seq + slots, 1, seq, 4, 2, 128, jnp.bfloat16)
     want = ref.attention(q, k, v, do, causal=causal)[0]
