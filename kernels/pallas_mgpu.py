@@ -51,6 +51,7 @@ class BlockSizes:
   backward: pallas_gpu.BlockSizes (the Triton backward) or pallas_mgpu_vjp.BlockSizes (Mosaic GPU).
   pingpong: the two compute warpgroups take turns on the tensor cores (FA3's schedule); False lets
   both issue wgmma as soon as their operands are ready.
+  overlap: the certified loop issues block i+1's Q·Kᵀ before block i's softmax (needs pingpong=False).
   """
 
   block_q: int = 64
@@ -58,8 +59,11 @@ class BlockSizes:
   slots: int = 2
   backward: pallas_gpu.BlockSizes | pallas_mgpu_vjp.BlockSizes = pallas_gpu.BlockSizes()
   pingpong: bool = True
+  overlap: bool = False
 
   def __post_init__(self):
+    if self.overlap and self.pingpong:
+      raise ValueError("overlap=True needs pingpong=False (each warpgroup overlaps its own steps instead)")
     if self.block_q != 64:
       raise ValueError(f"{self.block_q=} must be 64 (one wgmma M tile per compute warpgroup)")
     if self.block_kv not in (64, 128):
@@ -101,7 +105,7 @@ def _check(q, k, cert, scale, interpret):
 
 
 def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, block_q: int, block_kv: int,
-            slots: int, kv_len: int | None, group: int, has_segments: bool, pingpong: bool):
+            slots: int, kv_len: int | None, group: int, has_segments: bool, pingpong: bool, overlap: bool):
   m_ref = centre_ref = bounds_ref = flags_ref = qseg_ref = kseg_ref = None
   if has_segments:
     (qseg_ref, kseg_ref), refs = refs[:2], refs[2:]
@@ -207,16 +211,8 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, 
         plgpu.barrier_wait(k_ready.at[0])
         pl.when(wg == 1)(turn)  # warpgroup 1 starts half a step behind warpgroup 0
 
-        def step(i, carry, masked: bool):
-          acc, m, l = (carry[0], m0, carry[1]) if fixed else carry
-          slot = lax.rem(i, jnp.int32(slots))
-
-          def qk_scope(acc_ref):
-            plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
-            turn()
-            return acc_ref[...]
-
-          qk = pl.run_scoped(qk_scope, plgpu.ACC((block_q, block_kv), jnp.float32))
+        def visible(qk, i, slot, masked: bool):
+          """Block i's logits with −inf where a key is hidden; releases the block's K (read now)."""
           if has_segments:  # every step: a query sees keys of its own segment (padding keys are −1)
             plgpu.barrier_wait(kseg_ready.at[slot])
             k_ids = plgpu.load(kseg_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
@@ -229,6 +225,18 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, 
             q_pos = row0 + plgpu.broadcasted_iota(jnp.int32, qk.shape, 0, layout=plgpu.Layout.WGMMA)
             k_pos = i * block_kv + plgpu.broadcasted_iota(jnp.int32, qk.shape, 1, layout=plgpu.Layout.WGMMA)
             qk = jnp.where(q_pos >= k_pos if causal else k_pos < kv_len, qk, -jnp.inf)
+          return qk
+
+        def step(i, carry, masked: bool):
+          acc, m, l = (carry[0], m0, carry[1]) if fixed else carry
+          slot = lax.rem(i, jnp.int32(slots))
+
+          def qk_scope(acc_ref):
+            plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
+            turn()
+            return acc_ref[...]
+
+          qk = visible(pl.run_scoped(qk_scope, plgpu.ACC((block_q, block_kv), jnp.float32)), i, slot, masked)
           if fixed:  # the certified step: one FMA and one exp2 per weight, no max, no rescale
             p = jnp.exp2(qk * sigma2 - lax.broadcast_in_dim(m, qk.shape, [0]))
             l = l + p.sum(axis=1)  # the unrounded weights: see the module docstring
@@ -261,10 +269,44 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, 
           plgpu.barrier_arrive(v_free.at[slot])
           return (acc, l) if fixed else (acc, m, l)
 
+        def overlapped_step(i, carry, masked: bool):
+          """The certified step with block i+1's Q·Kᵀ issued before block i's exp2 (p_i depends on
+          nothing of step i−1, so the tensor cores work while this warpgroup exponentiates)."""
+          acc, l, qk = carry  # qk: block i's logits, already computed
+          slot, nxt = lax.rem(i, jnp.int32(slots)), lax.rem(i + 1, jnp.int32(slots))
+          qk = visible(qk, i, slot, masked)
+
+          def scope(next_ref):
+            @pl.when(i + 1 < total)
+            def _():
+              plgpu.barrier_wait(k_ready.at[nxt])
+              plgpu.wgmma(next_ref, q_smem, k_smem.at[nxt].T)
+
+            p = jnp.exp2(qk * sigma2 - lax.broadcast_in_dim(m0, qk.shape, [0]))
+            new_l, p_low = l + p.sum(axis=1), p.astype(dtype)
+            plgpu.barrier_wait(v_ready.at[slot])
+            new_acc = pl.run_state(lambda r: plgpu.wgmma(r, p_low, v_smem.at[slot]))(plgpu.ACC.init(acc))
+            return new_acc, new_l, next_ref[...]
+
+          carry = pl.run_scoped(scope, plgpu.ACC((block_q, block_kv), jnp.float32))
+          plgpu.barrier_arrive(v_free.at[slot])
+          return carry
+
         masked_steps = causal or kv_len is not None
-        carry = lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
-        if masked_steps:
-          carry = lax.fori_loop(full, total, functools.partial(step, masked=True), carry)
+        if fixed and overlap:
+          def first_qk(acc_ref):
+            plgpu.wgmma(acc_ref, q_smem, k_smem.at[0].T)
+            return acc_ref[...]
+
+          carry = (*carry, pl.run_scoped(first_qk, plgpu.ACC((block_q, block_kv), jnp.float32)))
+          carry = lax.fori_loop(0, full, functools.partial(overlapped_step, masked=False), carry)
+          if masked_steps:
+            carry = lax.fori_loop(full, total, functools.partial(overlapped_step, masked=True), carry)
+          carry = carry[:2]
+        else:
+          carry = lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
+          if masked_steps:
+            carry = lax.fori_loop(full, total, functools.partial(step, masked=True), carry)
         if causal:  # blocks the other warpgroup still needs: release them in step with its loop
           def drain(i, _):
             slot = lax.rem(i, jnp.int32(slots))
@@ -390,7 +432,8 @@ def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv
   kernel = functools.partial(
       _kernel, mode=mode, causal=causal, sigma2=scale * LOG2E, block_q=bs.block_q,
       block_kv=bs.block_kv, slots=min(bs.slots, k.shape[1] // bs.block_kv), kv_len=kv_len,
-      group=num_heads // k.shape[2], has_segments=segment_ids is not None, pingpong=bs.pingpong)
+      group=num_heads // k.shape[2], has_segments=segment_ids is not None, pingpong=bs.pingpong,
+      overlap=bs.overlap)
   args = [q, k, v]
   if segment_ids is not None:  # key id 0 (padding) becomes −1: it then matches no query, padding included
     args += [segment_ids.astype(jnp.int32), jnp.where(segment_ids == 0, -1, segment_ids).astype(jnp.int32)]

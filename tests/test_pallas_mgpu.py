@@ -68,13 +68,14 @@ def test_mosaic_backward_lowers_for_the_gpu(monkeypatch, causal, seq, d, hkv, pa
 
 
 @pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("causal,packed", [(True, False), (False, False), (True, True)])
-def test_forward_without_pingpong_lowers_for_the_gpu(monkeypatch, causal, packed):
+def test_forward_without_pingpong_lowers_for_the_gpu(monkeypatch, causal, packed, overlap):
   monkeypatch.setattr("clis_kernels.api._platform", lambda: "gpu")
   q = jax.ShapeDtypeStruct((1, 384, 4, 128), jnp.bfloat16)
   seg = jax.ShapeDtypeStruct((1, 384), jnp.int32) if packed else None
   fn = lambda q, k, v, seg: attention(q, k, v, seg, causal=causal, implementation="pallas_mgpu",
-                                      block_sizes=pallas_mgpu.BlockSizes(pingpong=False))
+                                      block_sizes=pallas_mgpu.BlockSizes(pingpong=False, overlap=overlap))
   assert "mosaic_gpu" in lower_for_h200(fn, q, q, q, seg)
 
 
@@ -101,6 +102,7 @@ def test_unsupported_inputs_get_one_clear_error(monkeypatch, kwargs, message):
 @pytest.mark.parametrize("kwargs,message", [(dict(block_q=128), "block_q=128 must be 64"),
                                             (dict(block_kv=256), "block_kv=256 must be 64 or 128"),
                                             (dict(slots=1), "slots=1 must be at least 2"),
+                                            (dict(overlap=True), "overlap=True needs pingpong=False"),
                                             (dict(backward=None), "backward must be a pallas_gpu.BlockSizes")])
 def test_block_sizes_are_validated(kwargs, message):
   with pytest.raises(ValueError, match=message):
@@ -210,10 +212,11 @@ def test_matches_the_triton_backend_on_gpu():
 
 
 @needs_gpu
-@pytest.mark.parametrize("block_kv,slots,pingpong", [(128, 2, True), (64, 2, True), (64, 3, True), (64, 4, True),
-                                                     (128, 2, False), (64, 3, False)])
-def test_every_tile_config_is_exact_on_gpu(block_kv, slots, pingpong):
-  bs = pallas_mgpu.BlockSizes(block_kv=block_kv, slots=slots, pingpong=pingpong)
+@pytest.mark.parametrize("block_kv,slots,pingpong,overlap", [
+    (128, 2, True, False), (64, 2, True, False), (64, 3, True, False), (64, 4, True, False),
+    (128, 2, False, False), (64, 3, False, False), (128, 2, False, True), (64, 3, False, True)])
+def test_every_tile_config_is_exact_on_gpu(block_kv, slots, pingpong, overlap):
+  bs = pallas_mgpu.BlockSizes(block_kv=block_kv, slots=slots, pingpong=pingpong, overlap=overlap)
   for causal, seq in ((True, 640), (False, 1000)):
     q, k, v, do = random_inputs(seq + slots, 1, seq, 4, 2, 128, jnp.bfloat16)
     want = ref.attention(q, k, v, do, causal=causal)[0]
