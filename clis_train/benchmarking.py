@@ -70,10 +70,11 @@ def plot(records: list[dict], path: pathlib.Path, value: str = "tflops") -> None
   impls = sorted({r["impl"] for r in records if r.get(value) is not None})  # pre-pass rows have no rate
   fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(groups) * len(impls) / 2), 4))
   width = 0.8 / max(len(impls), 1)
+  colours = plt.get_cmap("tab20" if len(impls) > 10 else "tab10").colors  # one colour per implementation
   for i, impl in enumerate(impls):
     ys = [next((r.get(value) or 0.0 for r in records if (r["case"], r["pass"]) == g and r["impl"] == impl), 0.0)
           for g in groups]
-    ax.bar([g + i * width for g in range(len(groups))], ys, width, label=impl)
+    ax.bar([g + i * width for g in range(len(groups))], ys, width, label=impl, color=colours[i % len(colours)])
   ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))])
   ax.set_xticklabels([f"{c}\n{p}" for c, p in groups], fontsize=7)
   ax.set_ylabel(value)
@@ -85,10 +86,11 @@ def plot(records: list[dict], path: pathlib.Path, value: str = "tflops") -> None
   plt.close(fig)
 
 
-def write_report(records: list[dict], out: str, value: str = "tflops") -> None:
-  """records -> out (.json), out with .md (table) and .png (plot)."""
+def write_report(records: list[dict], out: str, value: str = "tflops", plotter=plot) -> None:
+  """records -> out (.json), out with .md (table) and .png (plotter(records, path, value); the
+  default: a bar per implementation and case)."""
   path = pathlib.Path(out)
   path.parent.mkdir(parents=True, exist_ok=True)
   path.write_text(json.dumps(records, indent=1))
   path.with_suffix(".md").write_text(markdown_table(records, value))
-  plot(records, path.with_suffix(".png"), value)
+  plotter(records, path.with_suffix(".png"), value)

@@ -57,6 +57,34 @@ def variants(q, k, v, fractions, *, quick: bool):
   return fns
 
 
+def plot_sweep(records, path, value=None):
+  """Time against the fraction skipped, one panel per sequence length: the skip kernel (with and
+  without marking) as lines, each dense kernel as a dashed level, and the ideal (f = 0 time × kept)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  cases = sorted({r["case"] for r in records}, key=lambda c: int(c.rsplit("S", 1)[1]))
+  fig, axes = plt.subplots(1, len(cases), figsize=(5.5 * len(cases), 4), squeeze=False)
+  for ax, case in zip(axes[0], cases):
+    rows = [r for r in records if r["case"] == case]
+    for impl in ("clis_skip", "clis_skip_track"):
+      pts = sorted((r["skipped"], r["ms"]) for r in rows if r["impl"].partition("@")[0] == impl)
+      ax.plot(*zip(*pts), marker="o", label=impl)
+      if impl == "clis_skip":
+        ax.plot([f for f, _ in pts], [pts[0][1] * (1 - f) for f, _ in pts], ":", color="grey", label="ideal")
+    for i, r in enumerate(r for r in rows if "@" not in r["impl"]):
+      ax.axhline(r["ms"], ls="--", lw=1, color=plt.get_cmap("tab10").colors[(i + 2) % 10], label=r["impl"])
+    ax.set_title(case, fontsize=9)
+    ax.set_xlabel("fraction of kv tiles skipped")
+    ax.set_ylabel("ms")
+    ax.legend(fontsize=7)
+  meta = records[0]
+  fig.suptitle(f"{meta.get('device', '')}, JAX {meta.get('jax_version', '')}, {meta.get('date', '')}", fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--heads", type=int, default=12)
@@ -87,7 +115,7 @@ def main():
                           vs_unskipped=None if base is None else med / base, B=1, S=s, Hq=args.heads,
                           Hkv=args.heads, D=128, causal=False, repeat=args.repeats, inner=args.inner, **meta))
   out = args.out or benchmarking.default_output("skipping_quick" if args.quick else "skipping")
-  benchmarking.write_report(records, out)
+  benchmarking.write_report(records, out, plotter=plot_sweep)
   print(benchmarking.markdown_table(records))
   for r in records:
     if r["vs_unskipped"] is not None:
