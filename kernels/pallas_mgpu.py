@@ -34,7 +34,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from clis_kernels import masks, pallas_gpu, pallas_gpu_vjp, pallas_mgpu_vjp
 from clis_kernels.common import out_struct
-from clis_kernels.stabilizer import EMPTY_LSE, LOG2E, Certificate, KeyBounds, certify_rows, row_bounds
+from clis_kernels.stabilizer import EMPTY_LSE, LOG2E, Certificate, KeyBounds, row_bounds
 
 COMPUTE_WARPGROUPS = 2
 HEAD_DIMS = (64, 128)
@@ -135,7 +135,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, 
   def body(qo_smem, k_smem, v_smem, row_smem, k_ready, v_ready, q_ready, m_ready, k_free, v_free, schedule,
            *extra_scratch):
     wg = lax.axis_index("wg")
-    keys_scratch = extra_scratch[:6] if mode == "keys" else ()
+    keys_scratch = extra_scratch[:7] if mode == "keys" else ()
     qseg_smem, kseg_smem, qseg_ready, kseg_ready = extra_scratch[-4:] if has_segments else (None,) * 4
     kv_head = lax.div(head, jnp.int32(group))
 
@@ -157,8 +157,9 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, 
       if mode == "cert":
         plgpu.copy_gmem_to_smem(m_ref.at[batch, head, pl.ds(row0, block_q)], rows, m_ready.at[wg])
       if mode == "keys":
-        centre_smem, kdiag_smem, flag_smem, bounds_smem, kdiag_ready, bounds_ready = keys_scratch
-        plgpu.copy_gmem_to_smem(centre_ref.at[batch, 0, kv_head], centre_smem.at[wg], m_ready.at[wg])
+        centre_smem, kdiag_smem, flag_smem, bounds_smem, kdiag_ready, bounds_ready, centre_ready = keys_scratch
+        if not has_segments:  # one centre per (batch, kv head); packed rows load theirs in certify_here
+          plgpu.copy_gmem_to_smem(centre_ref.at[batch, 0, kv_head], centre_smem.at[wg], centre_ready.at[wg])
         plgpu.copy_gmem_to_smem(bounds_ref.at[batch, kv_head, :, pl.ds(row0, block_q)], bounds_smem.at[wg],
                                 bounds_ready.at[wg])
         if causal:  # each row's own key: the lower bound L = t_ii
@@ -175,23 +176,36 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, 
       def certify_here():
         """(M, certified) of this warpgroup's rows from the K/V pre-pass (stabilizer.row_bounds and
         stabilize, as the Triton kernel's prologue); the flag goes out per row for the stats.
-        Radius, headroom and threshold arrive per row through TMA, as M does in "cert" mode."""
-        plgpu.barrier_wait(m_ready.at[wg])
+        Radius, headroom, threshold and the centre's rounding slack arrive per row through TMA, as
+        M does in "cert" mode. Packed rows each have their segment's centre, rounded to q's dtype:
+        one [block_q, D] buffer serves both warpgroups, which run this one after the other."""
         plgpu.barrier_wait(bounds_ready.at[wg])
         q = plgpu.load(q_smem, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-        centre = plgpu.load(centre_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(0))
-        radius, headroom, threshold = (plgpu.load(bounds_smem.at[wg, j], layout=plgpu.Layout.WGMMA.reduce(1))
-                                       for j in range(3))
+        if has_segments:
+          plgpu.copy_gmem_to_smem(centre_ref.at[batch, pl.ds(row0, block_q), kv_head], centre_smem,
+                                  centre_ready.at[wg])
+          plgpu.barrier_wait(centre_ready.at[wg])
+          centre = plgpu.load(centre_smem, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+        else:
+          plgpu.barrier_wait(centre_ready.at[wg])
+          centre = lax.broadcast_in_dim(plgpu.load(centre_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(0)),
+                                        q.shape, [1])
+        radius, headroom, threshold, slack = (
+            plgpu.load(bounds_smem.at[wg, j], layout=plgpu.Layout.WGMMA.reduce(1)) for j in range(4))
         k_diag = None
         if causal:
           plgpu.barrier_wait(kdiag_ready.at[wg])
           k_diag = plgpu.load(kdiag_smem.at[wg], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-        upper, lower = row_bounds(q, lax.broadcast_in_dim(centre, q.shape, [1]), radius, k_diag, sigma2=sigma2)
-        # stabilize() without its padding mask: padded rows are zero (the API pads with zeros), so
-        # U = L = 0 there, they pass, and M = max(0, −h) = 0, as stabilize gives them.
+        upper, lower = row_bounds(q, centre, radius, k_diag, sigma2=sigma2)  # radius includes the slack
+        if k_diag is None:  # L = σ₂·q·c with the rounded centre c' can exceed σ₂·q·c by σ₂·‖q‖·‖c − c'‖
+          lower = lower - sigma2 * jnp.sqrt(jnp.sum(q * q, axis=1)) * slack
+        # stabilize() without its padding mask: rows the API padded are zero, so U = L = 0 there,
+        # they pass, and M = max(0, −h) = 0, as stabilize gives them.
         m = jnp.maximum(lower, upper - headroom)
-        row_ok = upper - lower <= threshold
-        certified = jnp.min(row_ok.astype(jnp.int32))
+        row_ok = (upper - lower <= threshold).astype(jnp.int32)
+        if has_segments:  # packed padding rows (id 0) see no key: they pass, as in stabilize()
+          row_ok = jnp.maximum(row_ok, (q_ids == 0).astype(jnp.int32))
+        certified = jnp.min(row_ok)
         flag_smem.at[wg][...] = plgpu.layout_cast(jnp.full((block_q,), certified.astype(jnp.float32)),
                                                   plgpu.Layout.WGMMA.reduce(1))
         plgpu.commit_smem()
@@ -393,12 +407,14 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, 
       plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=slots),  # v_free
       plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS),  # schedule
       *(() if mode != "keys" else (
-          plgpu.SMEM((COMPUTE_WARPGROUPS, head_dim), jnp.float32),  # centre
+          plgpu.SMEM((block_q, head_dim), dtype, transforms=swizzled) if has_segments  # packed: rows' centres
+          else plgpu.SMEM((COMPUTE_WARPGROUPS, head_dim), jnp.float32),  # the centre
           plgpu.SMEM((COMPUTE_WARPGROUPS, block_q, head_dim), dtype, transforms=swizzled),  # diagonal keys
           plgpu.SMEM((COMPUTE_WARPGROUPS, block_q), jnp.float32),  # certified flag out
-          plgpu.SMEM((COMPUTE_WARPGROUPS, 3, block_q), jnp.float32),  # radius, headroom, threshold per row
+          plgpu.SMEM((COMPUTE_WARPGROUPS, 4, block_q), jnp.float32),  # radius, headroom, threshold, slack
           plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS),  # kdiag_ready
-          plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS))),  # bounds_ready
+          plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS),  # bounds_ready
+          plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS))),  # centre_ready
       *(() if not has_segments else (
           plgpu.SMEM((COMPUTE_WARPGROUPS, block_q), jnp.int32),  # query segment ids
           plgpu.SMEM((slots, block_kv), jnp.int32),  # key segment ids, one block per slot
@@ -413,7 +429,8 @@ def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv
   """Returns (o [B, S, Hq, D], lse [B, Hq, S] f32 base 2, certified tiles [B, Hq, S/64] or None).
 
   The stabilizer comes from `keys` (the K/V pre-pass; each warpgroup certifies its rows in the
-  prologue), from `cert` (the whole XLA pre-pass, for granularity="head"), or neither (online).
+  prologue, packed rows against their segment's centre), from `cert` (the whole XLA pre-pass, for
+  granularity="head"), or neither (online).
   S must be a multiple of block_sizes.multiple (the API pads with zeros, which the in-kernel
   certificate relies on: zero rows pass). seq_len: accepted for the API's call, not needed.
   """
@@ -424,10 +441,6 @@ def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv
   bs = block_sizes
   if seq % bs.multiple or k.shape[1] % bs.multiple:
     raise ValueError(f"{bs.multiple=} must divide the padded lengths {q.shape[1]=} and {k.shape[1]=}")
-  if segment_ids is not None and keys is not None:  # per-segment centres: the XLA rows pass certifies
-    cert = certify_rows(q, k, segment_ids, keys, causal=causal, scale=scale, granularity="tile",
-                        block_q=bs.tile, seq_len=seq if seq_len is None else seq_len)
-    keys = None
   mode = "keys" if keys is not None else "cert" if cert is not None else "online"
   kernel = functools.partial(
       _kernel, mode=mode, causal=causal, sigma2=scale * LOG2E, block_q=bs.block_q,
@@ -442,10 +455,14 @@ def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv
   if mode == "cert":  # the kernel reads the certificate per row, with M
     args += [jnp.where(per_row(cert.certified), cert.m, FAILED_TILE_M)]
   if mode == "keys":
-    if keys.centre.shape[1] != 1:
-      raise ValueError("implementation='pallas_mgpu' takes one key centre per (batch, kv head) (no segments)")
-    bounds = [per_row(keys.radius), per_row(keys.headroom[..., None]), per_row(keys.threshold[..., None])]
-    args += [keys.centre.astype(jnp.float32), jnp.stack(bounds, axis=2).astype(jnp.float32)]  # [B, Hkv, 3, S]
+    if (keys.centre.shape[1] == 1) != (segment_ids is None):
+      raise ValueError(f"keys.centre.shape={keys.centre.shape}: one centre per (batch, kv head) without "
+                       "segment_ids, one per position with them (stabilizer.key_bounds gives both)")
+    centre = keys.centre.astype(jnp.float32 if segment_ids is None else q.dtype)  # packed: rows' centres, as q
+    slack = jnp.linalg.norm(keys.centre - centre.astype(jnp.float32), axis=-1).max(axis=1)[..., None]  # [B, Hkv, 1]
+    bounds = [per_row(keys.radius + slack), per_row(keys.headroom[..., None]), per_row(keys.threshold[..., None]),
+              per_row(slack)]
+    args += [centre, jnp.stack(bounds, axis=2).astype(jnp.float32)]  # [B, Hkv, 4, S]
     out_type.append(out_struct((batch, num_heads, seq), jnp.float32, q))  # certified flag per row
   outs = plgpu.kernel(
       kernel,

@@ -187,9 +187,9 @@ def test_attention_sink_falls_back_per_warpgroup_tile_and_stays_exact_on_gpu():
 
 @needs_gpu
 @pytest.mark.parametrize("granularity,packed", [("head", False), ("tile", True)])
-def test_xla_certificate_with_failed_tiles_stays_exact_on_gpu(granularity, packed):
-  """The kernel's "cert" mode (granularity="head", or packed inputs): tiles the XLA certificate
-  fails (a sink) run the online loop, the rest the certified one; the output matches float64."""
+def test_failed_tiles_stay_exact_on_gpu(granularity, packed):
+  """Failed tiles (a sink) run the online loop, the rest the certified one, and the output matches
+  float64: with the XLA certificate (granularity="head") and with the in-kernel one on packed rows."""
   q, k, v, do = random_inputs(3, 1, 1024, 4, 2, 128, jnp.bfloat16)
   k = k.at[:, 600, 0].multiply(40.0)  # a sink in kv head 0 only: its query heads fail, the others pass
   seg = packed_segments(3, 1, 1024) if packed else None
@@ -200,6 +200,22 @@ def test_xla_certificate_with_failed_tiles_stays_exact_on_gpu(granularity, packe
   online = attention(q, k, v, seg, causal=True, stabilizer="online", implementation="pallas_mgpu")
   assert ref.rel_err(out, want) < TOLERANCE[jnp.bfloat16][0]
   assert ref.rel_err(out, want) <= CLIS_VS_ONLINE * ref.rel_err(online, want)
+
+
+@needs_gpu
+@pytest.mark.parametrize("causal", [True, False])
+def test_packed_in_kernel_certificate_is_never_looser_than_xla_on_gpu(causal):
+  """Packed rows certify in the kernel against their segment's centre rounded to bf16, with the
+  rounding slack added to the bound: it may refuse a tile the XLA certificate passes, never the reverse."""
+  from clis_kernels import stabilizer
+  q, k, v, _ = random_inputs(11, 1, 1024, 4, 1, 128, jnp.bfloat16)
+  k = k.at[:, 600].multiply(40.0)
+  seg = packed_segments(11, 1, 1024)
+  _, stats = attention(q, k, v, seg, causal=causal, implementation="pallas_mgpu", return_stats=True)
+  cert = stabilizer.certify(q, k, v, seg, causal=causal, scale=128 ** -0.5, tau=64.0, granularity="tile",
+                            block_q=64, seq_len=1024)
+  kernel, xla = np.asarray(stats.certified_tiles), np.asarray(cert.certified)
+  assert not np.any(kernel & ~xla) and kernel.mean() >= xla.mean() - 0.1, (kernel, xla)
 
 
 @needs_gpu
