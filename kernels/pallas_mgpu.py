@@ -424,6 +424,24 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, 
   )
 
 
+def _per_row(x, *, tile: int, seq: int):
+  """[..., n] per tile of `tile` rows (or [..., 1] for all) -> [..., seq] per row."""
+  return jnp.broadcast_to(jnp.repeat(x, tile, axis=-1) if x.shape[-1] > 1 else x, x.shape[:-1] + (seq,))
+
+
+def kernel_key_inputs(keys: KeyBounds, *, packed: bool, dtype, seq: int, tile: int):
+  """(centre, bounds) as the kernel reads them. centre: [B, 1, Hkv, D] f32, or packed [B, S, Hkv, D]
+  each row's segment centre rounded to `dtype` (half the shared memory of f32). bounds [B, Hkv, 4, S]
+  f32 per row: radius + slack, headroom, threshold, slack, where slack = max ‖c − c_rounded‖ keeps
+  the bound sound: ‖k_j − c'‖ ≤ ‖k_j − c‖ + ‖c − c'‖ ≤ radius + slack."""
+  per_row = functools.partial(_per_row, tile=tile, seq=seq)
+  centre = keys.centre.astype(dtype if packed else jnp.float32)
+  slack = jnp.linalg.norm(keys.centre - centre.astype(jnp.float32), axis=-1).max(axis=1)[..., None]  # [B, Hkv, 1]
+  bounds = [per_row(keys.radius + slack), per_row(keys.headroom[..., None]), per_row(keys.threshold[..., None]),
+            per_row(slack)]
+  return centre, jnp.stack(bounds, axis=2).astype(jnp.float32)
+
+
 def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv_len, block_sizes: BlockSizes,
             keys: KeyBounds | None = None, seq_len: int | None = None, interpret=False):
   """Returns (o [B, S, Hq, D], lse [B, Hq, S] f32 base 2, certified tiles [B, Hq, S/64] or None).
@@ -451,18 +469,13 @@ def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv
   if segment_ids is not None:  # key id 0 (padding) becomes −1: it then matches no query, padding included
     args += [segment_ids.astype(jnp.int32), jnp.where(segment_ids == 0, -1, segment_ids).astype(jnp.int32)]
   out_type = [out_struct(q.shape, q.dtype, q), out_struct((batch, num_heads, seq), jnp.float32, q)]
-  per_row = lambda x: jnp.broadcast_to(jnp.repeat(x, bs.tile, axis=-1) if x.shape[-1] > 1 else x, x.shape[:-1] + (seq,))
   if mode == "cert":  # the kernel reads the certificate per row, with M
-    args += [jnp.where(per_row(cert.certified), cert.m, FAILED_TILE_M)]
+    args += [jnp.where(_per_row(cert.certified, tile=bs.tile, seq=seq), cert.m, FAILED_TILE_M)]
   if mode == "keys":
     if (keys.centre.shape[1] == 1) != (segment_ids is None):
       raise ValueError(f"keys.centre.shape={keys.centre.shape}: one centre per (batch, kv head) without "
                        "segment_ids, one per position with them (stabilizer.key_bounds gives both)")
-    centre = keys.centre.astype(jnp.float32 if segment_ids is None else q.dtype)  # packed: rows' centres, as q
-    slack = jnp.linalg.norm(keys.centre - centre.astype(jnp.float32), axis=-1).max(axis=1)[..., None]  # [B, Hkv, 1]
-    bounds = [per_row(keys.radius + slack), per_row(keys.headroom[..., None]), per_row(keys.threshold[..., None]),
-              per_row(slack)]
-    args += [centre, jnp.stack(bounds, axis=2).astype(jnp.float32)]  # [B, Hkv, 4, S]
+    args += list(kernel_key_inputs(keys, packed=segment_ids is not None, dtype=q.dtype, seq=seq, tile=bs.tile))
     out_type.append(out_struct((batch, num_heads, seq), jnp.float32, q))  # certified flag per row
   outs = plgpu.kernel(
       kernel,
