@@ -33,10 +33,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from clis_kernels import masks, pallas_gpu, pallas_gpu_vjp, pallas_mgpu_vjp
+from clis_kernels.mgpu_pipeline import COMPUTE_WARPGROUPS, stream_blocks, swizzled
 from clis_kernels.common import out_struct
 from clis_kernels.stabilizer import EMPTY_LSE, LOG2E, Certificate, KeyBounds, row_bounds
 
-COMPUTE_WARPGROUPS = 2
 HEAD_DIMS = (64, 128)
 FAILED_TILE_M = 1e30  # M sent for rows of a tile the XLA certificate failed (real M are far smaller)
 ONLINE_FLOOR = -1e20  # the online loop's starting max (base 2): below any real logit
@@ -382,22 +382,13 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, 
           plgpu.copy_gmem_to_smem(kseg_ref.at[batch, pl.ds(block * block_kv, block_kv)], kseg_smem.at[slot],
                                   kseg_ready.at[slot])
 
-      for slot in range(slots):
-        pl.when(slot < cta_blocks)(functools.partial(load, slot, slot))
+      stream_blocks(load, num_blocks=cta_blocks, slots=slots, free=(k_free, v_free))
 
-      @pl.loop(slots, cta_blocks)
-      def _(block):
-        slot = lax.rem(block, jnp.int32(slots))
-        plgpu.barrier_wait(k_free.at[slot])
-        plgpu.barrier_wait(v_free.at[slot])
-        load(block, slot)
-
-  swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   pl.run_scoped(
       body,
-      plgpu.SMEM((COMPUTE_WARPGROUPS, block_q, head_dim), dtype, transforms=swizzled),  # q, then o
-      plgpu.SMEM((slots, block_kv, head_dim), dtype, transforms=swizzled),  # k blocks
-      plgpu.SMEM((slots, block_kv, head_dim), dtype, transforms=swizzled),  # v blocks
+      plgpu.SMEM((COMPUTE_WARPGROUPS, block_q, head_dim), dtype, transforms=swizzled()),  # q, then o
+      plgpu.SMEM((slots, block_kv, head_dim), dtype, transforms=swizzled()),  # k blocks
+      plgpu.SMEM((slots, block_kv, head_dim), dtype, transforms=swizzled()),  # v blocks
       plgpu.SMEM((COMPUTE_WARPGROUPS, block_q), jnp.float32),  # M in, lse out
       plgpu.Barrier(num_barriers=slots),  # k_ready
       plgpu.Barrier(num_barriers=slots),  # v_ready
@@ -407,9 +398,9 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, 
       plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=slots),  # v_free
       plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS),  # schedule
       *(() if mode != "keys" else (
-          plgpu.SMEM((block_q, head_dim), dtype, transforms=swizzled) if has_segments  # packed: rows' centres
+          plgpu.SMEM((block_q, head_dim), dtype, transforms=swizzled()) if has_segments  # packed: rows' centres
           else plgpu.SMEM((COMPUTE_WARPGROUPS, head_dim), jnp.float32),  # the centre
-          plgpu.SMEM((COMPUTE_WARPGROUPS, block_q, head_dim), dtype, transforms=swizzled),  # diagonal keys
+          plgpu.SMEM((COMPUTE_WARPGROUPS, block_q, head_dim), dtype, transforms=swizzled()),  # diagonal keys
           plgpu.SMEM((COMPUTE_WARPGROUPS, block_q), jnp.float32),  # certified flag out
           plgpu.SMEM((COMPUTE_WARPGROUPS, 4, block_q), jnp.float32),  # radius, headroom, threshold, slack
           plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS),  # kdiag_ready

@@ -26,10 +26,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from clis_kernels import masks
+from clis_kernels.mgpu_pipeline import COMPUTE_WARPGROUPS, stream_blocks, swizzled
 from clis_kernels.common import out_struct
 from clis_kernels.stabilizer import LOG2E
 
-COMPUTE_WARPGROUPS = 2
 ROWS = 64  # rows per compute warpgroup (one wgmma M tile), and the streamed block in both kernels
 ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a [64, N] wgmma tile
 COL = plgpu.Layout.WGMMA.reduce(0)  # one value per column
@@ -48,10 +48,6 @@ class BlockSizes:
   @property
   def multiple(self) -> int:
     return COMPUTE_WARPGROUPS * ROWS
-
-
-def _swizzled():
-  return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
 
 def _masked(s, row_pos, col_pos, row_ids, col_ids, *, causal_rows_are_queries, causal, kv_len, masked):
@@ -177,23 +173,16 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, s
           plgpu.copy_gmem_to_smem(kseg_ref.at[batch, pl.ds(block * ROWS, ROWS)], kseg_smem.at[slot],
                                   kseg_ready.at[slot])
 
-      for slot in range(slots):
-        pl.when(slot < cta_blocks)(functools.partial(load, slot, slot))
-
-      @pl.loop(slots, cta_blocks)
-      def _(block):
-        slot = lax.rem(block, jnp.int32(slots))
-        plgpu.barrier_wait(free.at[slot])
-        load(block, slot)
+      stream_blocks(load, num_blocks=cta_blocks, slots=slots, free=(free,))
 
   per_wg = lambda: plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS)
   per_slot = lambda: plgpu.Barrier(num_barriers=slots)
   pl.run_scoped(
       body,
-      plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS, head_dim), dtype, transforms=_swizzled()),  # q, then dq
-      plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS, head_dim), dtype, transforms=_swizzled()),  # dO
-      plgpu.SMEM((slots, ROWS, head_dim), dtype, transforms=_swizzled()),  # k blocks
-      plgpu.SMEM((slots, ROWS, head_dim), dtype, transforms=_swizzled()),  # v blocks
+      plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS, head_dim), dtype, transforms=swizzled()),  # q, then dq
+      plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS, head_dim), dtype, transforms=swizzled()),  # dO
+      plgpu.SMEM((slots, ROWS, head_dim), dtype, transforms=swizzled()),  # k blocks
+      plgpu.SMEM((slots, ROWS, head_dim), dtype, transforms=swizzled()),  # v blocks
       plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS), jnp.float32),  # lse
       plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS), jnp.float32),  # Δ
       per_wg(), per_wg(), per_wg(), per_wg(),  # q, dO, lse, Δ ready
@@ -321,24 +310,16 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
         if has_segments:
           plgpu.copy_gmem_to_smem(qseg_ref.at[batch, rows], qseg_smem.at[slot], qseg_ready.at[slot])
 
-      steps = group * per_head
-      for slot in range(slots):
-        pl.when(slot < steps)(functools.partial(load, jnp.int32(slot), slot))
-
-      @pl.loop(slots, steps)
-      def _(i):
-        slot = lax.rem(i, jnp.int32(slots))
-        plgpu.barrier_wait(free.at[slot])
-        load(i, slot)
+      stream_blocks(load, num_blocks=group * per_head, slots=slots, free=(free,))
 
   per_wg = lambda: plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS)
   per_slot = lambda: plgpu.Barrier(num_barriers=slots)
   pl.run_scoped(
       body,
-      plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS, head_dim), dtype, transforms=_swizzled()),  # k, then dk
-      plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS, head_dim), dtype, transforms=_swizzled()),  # v, then dv
-      plgpu.SMEM((slots, ROWS, head_dim), dtype, transforms=_swizzled()),  # q blocks
-      plgpu.SMEM((slots, ROWS, head_dim), dtype, transforms=_swizzled()),  # dO blocks
+      plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS, head_dim), dtype, transforms=swizzled()),  # k, then dk
+      plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS, head_dim), dtype, transforms=swizzled()),  # v, then dv
+      plgpu.SMEM((slots, ROWS, head_dim), dtype, transforms=swizzled()),  # q blocks
+      plgpu.SMEM((slots, ROWS, head_dim), dtype, transforms=swizzled()),  # dO blocks
       plgpu.SMEM((slots, ROWS), jnp.float32),  # lse blocks
       plgpu.SMEM((slots, ROWS), jnp.float32),  # Δ blocks
       per_wg(), per_wg(),  # k, v ready
