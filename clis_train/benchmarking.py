@@ -62,6 +62,15 @@ def markdown_table(records: list[dict], value: str = "tflops") -> str:
   return "\n".join(lines) + "\n"
 
 
+def save_figure(fig, path, meta: dict) -> None:
+  """Titles a matplotlib figure with the run's device, JAX version and date, and writes it as PNG."""
+  import matplotlib.pyplot as plt
+  fig.suptitle(f"{meta.get('device', '')}, JAX {meta.get('jax_version', '')}, {meta.get('date', '')}", fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
 def plot(records: list[dict], path: pathlib.Path, value: str = "tflops") -> None:
   import matplotlib
   matplotlib.use("Agg")
@@ -78,12 +87,8 @@ def plot(records: list[dict], path: pathlib.Path, value: str = "tflops") -> None
   ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))])
   ax.set_xticklabels([f"{c}\n{p}" for c, p in groups], fontsize=7)
   ax.set_ylabel(value)
-  meta = records[0]
-  ax.set_title(f"{meta.get('device', '')}, JAX {meta.get('jax_version', '')}, {meta.get('date', '')}", fontsize=9)
   ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: bars stay visible
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  save_figure(fig, path, records[0])
 
 
 def write_report(records: list[dict], out: str, value: str = "tflops", plotter=plot) -> None:

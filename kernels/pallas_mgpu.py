@@ -6,8 +6,9 @@ memory buffers with TMA. The two compute warpgroups take turns on the tensor cor
 "schedule" barrier): while one runs its Q·Kᵀ or P·V wgmma, the other does its softmax.
 
 Each compute warpgroup certifies its block_q rows in its prologue from the q tile it has loaded
-and the K/V pre-pass (stabilizer.key_bounds → row_bounds; no pass over q outside the kernel), or
-reads the XLA certificate (granularity="head"), and runs one of two loops over the KV blocks:
+and the K/V pre-pass (stabilizer.key_bounds → row_bounds → stabilize; no pass over q outside the
+kernel; packed rows against their segment's centre), or reads the XLA certificate
+(granularity="head"), and runs one of two loops over the KV blocks:
   certified: p = 2^(σ₂·q·kᵀ − M) with the row's fixed M; no row max, no rescale of acc and l.
              l sums the weights before they are rounded for P·V, as the online path does: the
              exact sum of the rounded weights (stabilizer.py, "Normalisation"; the Triton kernel's
@@ -35,7 +36,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from clis_kernels import masks, pallas_gpu, pallas_gpu_vjp, pallas_mgpu_vjp
 from clis_kernels.mgpu_pipeline import COMPUTE_WARPGROUPS, stream_blocks, swizzled
 from clis_kernels.common import out_struct
-from clis_kernels.stabilizer import EMPTY_LSE, LOG2E, Certificate, KeyBounds, row_bounds
+from clis_kernels.stabilizer import EMPTY_LSE, LOG2E, Certificate, KeyBounds, row_bounds, stabilize
 
 HEAD_DIMS = (64, 128)
 FAILED_TILE_M = 1e30  # M sent for rows of a tile the XLA certificate failed (real M are far smaller)
@@ -199,10 +200,8 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, 
         upper, lower = row_bounds(q, centre, radius, k_diag, sigma2=sigma2)  # radius includes the slack
         if k_diag is None:  # L = σ₂·q·c with the rounded centre c' can exceed σ₂·q·c by σ₂·‖q‖·‖c − c'‖
           lower = lower - sigma2 * jnp.sqrt(jnp.sum(q * q, axis=1)) * slack
-        # stabilize() without its padding mask: rows the API padded are zero, so U = L = 0 there,
-        # they pass, and M = max(0, −h) = 0, as stabilize gives them.
-        m = jnp.maximum(lower, upper - headroom)
-        row_ok = (upper - lower <= threshold).astype(jnp.int32)
+        m, row_ok = stabilize(upper, lower, headroom, threshold)  # rows the API padded are zero: they pass
+        row_ok = row_ok.astype(jnp.int32)
         if has_segments:  # packed padding rows (id 0) see no key: they pass, as in stabilize()
           row_ok = jnp.maximum(row_ok, (q_ids == 0).astype(jnp.int32))
         certified = jnp.min(row_ok)

@@ -187,10 +187,14 @@ def row_bounds(q, centre, radius, k_diag, *, sigma2: float):
   return upper, lower
 
 
-def stabilize(upper, lower, headroom, threshold, row_real):
-  """(M, row passes): M = max(L, U − h) (0 on padding rows), pass when U − L ≤ threshold."""
-  m = jnp.where(row_real, jnp.maximum(lower, upper - headroom), 0.0)
-  return m, (upper - lower <= threshold) | ~row_real
+def stabilize(upper, lower, headroom, threshold, row_real=None):
+  """(M, row passes): M = max(L, U − h) (0 on padding rows), pass when U − L ≤ threshold.
+  row_real None: every row is real (or, as in the Mosaic GPU kernel, padding rows are zero, so
+  U = L = 0 there, they pass and M = max(0, −h) = 0 without a mask)."""
+  m, row_ok = jnp.maximum(lower, upper - headroom), upper - lower <= threshold
+  if row_real is None:
+    return m, row_ok
+  return jnp.where(row_real, m, 0.0), row_ok | ~row_real
 
 
 def headroom_and_floor(v, *, segment_ids, seq_len: int):

@@ -101,11 +101,7 @@ def plot_steps(records, path: pathlib.Path):
   b.set_xlabel("denoising step")
   b.set_ylabel("fraction of tiles skipped")
   a.legend(fontsize=7)
-  meta = records[0]
-  fig.suptitle(f"{meta['device']}, JAX {meta['jax_version']}, {meta['date']}", fontsize=9)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  benchmarking.save_figure(fig, path, records[0])
 
 
 def main():

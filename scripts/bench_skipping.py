@@ -78,11 +78,7 @@ def plot_sweep(records, path, value=None):
     ax.set_xlabel("fraction of kv tiles skipped")
     ax.set_ylabel("ms")
     ax.legend(fontsize=7)
-  meta = records[0]
-  fig.suptitle(f"{meta.get('device', '')}, JAX {meta.get('jax_version', '')}, {meta.get('date', '')}", fontsize=9)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  benchmarking.save_figure(fig, path, records[0])
 
 
 def main():

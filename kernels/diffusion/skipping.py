@@ -129,8 +129,9 @@ def attention(q, k, v, state: SkipState, *, thr, scale: float | None = None, blo
   if keys is not None and implementation != "pallas_gpu":  # the Triton kernel certifies in its prologue
     cert = stabilizer.certify_rows(qp, kp, None, keys, causal=False, scale=scale, granularity="tile", block_q=bq,
                                    seq_len=seq_len)
-  visit = jnp.argsort(state.skip, axis=-1, stable=True).astype(jnp.int32)  # kept tiles first, in order
-  count = (~state.skip).sum(-1).astype(jnp.int32)
+  if implementation != "reference":  # the kernels walk a list of kept tiles
+    visit = jnp.argsort(state.skip, axis=-1, stable=True).astype(jnp.int32)  # kept tiles first, in order
+    count = (~state.skip).sum(-1).astype(jnp.int32)
   if implementation == "reference":
     out, _, (gap_rows, log2_l_rows) = reference.forward_with_tiles(
         qp, kp, vp, None, cert, causal=False, scale=scale, kv_len=kv_len, block_sizes=bs, tile_skip=state.skip,
