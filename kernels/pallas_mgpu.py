@@ -18,8 +18,8 @@ kernel; packed rows against their segment's centre), or reads the XLA certificat
   otherwise: the online softmax (running max, rescale), also the whole of stabilizer="online".
 Under the causal mask the loop splits into blocks wholly below the diagonal (no mask) and the
 few that straddle it; causal q tiles run last-first so the longest start early.
-Layout: q [B, S, Hq, D], k/v [B, S, Hkv, D] (the API's); lse [B, Hq, S] f32 base 2, as the
-Triton backward (pallas_gpu_vjp) expects, which is this backend's backward.
+Layout: q [B, S, Hq, D], k/v [B, S, Hkv, D] (the API's); lse [B, Hq, S] f32 base 2, as both
+backwards expect (pallas_mgpu_vjp, the default, and pallas_gpu_vjp's Triton one).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ ONLINE_FLOOR = -1e20  # the online loop's starting max (base 2): below any real 
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """Tiles of the Mosaic GPU forward, and of the Triton backward it shares with pallas_gpu.
+  """Tiles of the Mosaic GPU forward and of its backward (Mosaic GPU by default, or pallas_gpu's Triton one).
 
   block_q: rows per compute warpgroup (a CTA holds 2·block_q rows); also the certificate tile.
   block_kv: keys per pipeline step; slots: K/V blocks in flight (shared-memory buffers).
@@ -58,7 +58,7 @@ class BlockSizes:
   block_q: int = 64
   block_kv: int = 128
   slots: int = 2
-  backward: pallas_gpu.BlockSizes | pallas_mgpu_vjp.BlockSizes = pallas_gpu.BlockSizes()
+  backward: pallas_gpu.BlockSizes | pallas_mgpu_vjp.BlockSizes = pallas_mgpu_vjp.BlockSizes()
   pingpong: bool = True
   overlap: bool = False
 
@@ -85,9 +85,11 @@ class BlockSizes:
 
 
 def default_block_sizes(head_dim: int, seq_len: int, dtype) -> BlockSizes:
-  """One shape for both supported head dims (H200 sweep in notes/kernels.md); the backward's
-  tiles are pallas_gpu's."""
-  return BlockSizes(backward=pallas_gpu.default_block_sizes(head_dim, seq_len, dtype))
+  """One shape for both supported head dims, with the Mosaic GPU backward (H200 sweeps in
+  notes/kernels.md: block_kv 128, 2 slots, ping-pong on were fastest for both loops; the Mosaic
+  backward took causal 8k fwd+bwd from 5.62 to 4.24 ms)."""
+  del head_dim, seq_len, dtype
+  return BlockSizes()
 
 
 def _check(q, k, cert, scale, interpret):

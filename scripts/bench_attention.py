@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from clis_kernels import api, attention, pallas_gpu, pallas_mgpu, pallas_mgpu_vjp, pallas_tpu, reference, stabilizer
+from clis_kernels import api, attention, pallas_gpu, pallas_mgpu, pallas_tpu, reference, stabilizer
 from clis_train import benchmarking
 
 
@@ -122,9 +122,9 @@ def implementations(names, platform, quick):
     table["online_mgpu"] = lambda q, k, v, seg, causal: attention(q, k, v, seg, causal=causal, stabilizer="online",
                                                                   implementation="pallas_mgpu")
     table["clis_mgpu_prepass"] = _mgpu_prepass
-    mosaic_bwd = pallas_mgpu.BlockSizes(backward=pallas_mgpu_vjp.BlockSizes())  # the Mosaic GPU backward
-    table["clis_mgpu_mosaic_bwd"] = lambda q, k, v, seg, causal: attention(
-        q, k, v, seg, causal=causal, stabilizer="clis", implementation="pallas_mgpu", block_sizes=mosaic_bwd)
+    triton_bwd = pallas_mgpu.BlockSizes(backward=pallas_gpu.BlockSizes())  # the forward with the Triton backward
+    table["clis_mgpu_triton_bwd"] = lambda q, k, v, seg, causal: attention(
+        q, k, v, seg, causal=causal, stabilizer="clis", implementation="pallas_mgpu", block_sizes=triton_bwd)
   fns, notes = {}, []
   for name in names:
     if name == "cudnn" and platform != "gpu":

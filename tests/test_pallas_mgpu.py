@@ -18,6 +18,8 @@ from clis_kernels import attention, pallas_gpu, pallas_mgpu, pallas_mgpu_vjp
 
 ON_GPU = jax.devices()[0].platform == "gpu"
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernels run on an NVIDIA Hopper GPU only")
+MOSAIC_BACKWARD = pallas_mgpu.BlockSizes()  # the default
+TRITON_BACKWARD = pallas_mgpu.BlockSizes(backward=pallas_gpu.BlockSizes())
 
 
 @pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
@@ -26,8 +28,8 @@ needs_gpu = pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernels run on an 
     (False, 256, 64, "online", "tile"), (True, 256, 128, "clis", "head"), (False, 200, 64, "clis", "head")])
 @pytest.mark.parametrize("packed", [False, True])
 def test_kernel_lowers_for_the_gpu(monkeypatch, causal, seq, d, stabilizer, granularity, packed):
-  """Forward (Mosaic GPU: in-kernel certificate for tiles, XLA certificate for heads) and backward
-  (Triton) lower for an H200, odd lengths padded and masked."""
+  """Forward (in-kernel certificate for tiles, XLA certificate for heads) and the default backward
+  lower for an H200 as three Mosaic GPU kernels, odd lengths padded and masked."""
   monkeypatch.setattr("clis_kernels.api._platform", lambda: "gpu")
   q = jax.ShapeDtypeStruct((1, seq, 8, d), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((1, seq, 2, d), jnp.bfloat16)
@@ -40,20 +42,35 @@ def test_kernel_lowers_for_the_gpu(monkeypatch, causal, seq, d, stabilizer, gran
     return out.astype(jnp.float32).sum()
 
   text = lower_for_h200(jax.grad(loss, argnums=(0, 1, 2)), q, k, k, seg)
-  assert "mosaic_gpu" in text
+  assert text.count("custom_call @mosaic_gpu") == 3 and "clis_bwd" not in text
+
+
+@pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
+@pytest.mark.parametrize("packed", [False, True])
+def test_triton_backward_lowers_for_the_gpu(monkeypatch, packed):
+  """backward=pallas_gpu.BlockSizes() keeps the Mosaic forward and takes pallas_gpu's Triton backward."""
+  monkeypatch.setattr("clis_kernels.api._platform", lambda: "gpu")
+  q = jax.ShapeDtypeStruct((1, 256, 8, 128), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
+  seg = jax.ShapeDtypeStruct((1, 256), jnp.int32) if packed else None
+
+  def loss(q, k, v, seg):
+    return attention(q, k, v, seg, causal=True, implementation="pallas_mgpu",
+                     block_sizes=TRITON_BACKWARD).astype(jnp.float32).sum()
+
+  text = lower_for_h200(jax.grad(loss, argnums=(0, 1, 2)), q, k, k, seg)
+  assert text.count("custom_call @mosaic_gpu") == 1
   for name in ("clis_bwd_dq", "clis_bwd_dkv"):
     assert name in text
 
-
-MOSAIC_BACKWARD = pallas_mgpu.BlockSizes(backward=pallas_mgpu_vjp.BlockSizes())
 
 
 @pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
 @pytest.mark.parametrize("causal,seq,d,hkv,packed", [
     (True, 256, 128, 2, False), (False, 200, 64, 8, False), (True, 256, 64, 2, True), (False, 256, 128, 8, True)])
 def test_mosaic_backward_lowers_for_the_gpu(monkeypatch, causal, seq, d, hkv, packed):
-  """With backward=pallas_mgpu_vjp.BlockSizes(), forward, dQ and dK/dV are three Mosaic GPU kernels
-  (no Triton kernel left), GQA and MHA, odd lengths padded, packed segments."""
+  """With the default backward=pallas_mgpu_vjp.BlockSizes(), forward, dQ and dK/dV are three Mosaic GPU
+  kernels (no Triton kernel left), GQA and MHA, odd lengths padded, packed segments."""
   monkeypatch.setattr("clis_kernels.api._platform", lambda: "gpu")
   q = jax.ShapeDtypeStruct((1, seq, 8, d), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((1, seq, hkv, d), jnp.bfloat16)
@@ -158,7 +175,7 @@ def test_mosaic_backward_matches_float64_on_gpu(case):
   seg = packed_segments(len(name), batch, seq) if packed else None
   want = ref.attention(q, k, v, do, seg, causal=causal)[1:]
   errors = {}
-  for label, bs in (("mosaic", MOSAIC_BACKWARD), ("triton", pallas_mgpu.BlockSizes())):
+  for label, bs in (("mosaic", MOSAIC_BACKWARD), ("triton", TRITON_BACKWARD)):
     f = lambda q, k, v: attention(q, k, v, seg, causal=causal, implementation="pallas_mgpu", block_sizes=bs)
     grads = jax.vjp(f, q, k, v)[1](do)
     assert all(bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in grads), label
