@@ -46,7 +46,7 @@ def default_output(name: str, root: str = "benchmarks/results") -> str:
 
 def online_baseline(impl: str) -> str:
   """The implementation a ratio "vs online" divides by: the same backend's online loop."""
-  return "online_mgpu" if impl.endswith("_mgpu") else "online"
+  return "online_mgpu" if "_mgpu" in impl else "online"
 
 
 def markdown_table(records: list[dict], value: str = "tflops") -> str:

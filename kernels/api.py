@@ -3,7 +3,7 @@
 It validates inputs, pads the sequence to whole blocks, runs the certificate pre-pass
 (stabilizer.py), and dispatches forward and backward to one backend through a single
 `jax.custom_vjp`. Backends: "pallas_tpu" (Mosaic TPU), "pallas_gpu" (Triton),
-"pallas_mgpu" (Mosaic GPU forward for Hopper; Triton backward),
+"pallas_mgpu" (Mosaic GPU forward and backward for Hopper),
 "reference" (blockwise pure JAX), "xla" (dense, for comparison only).
 """
 

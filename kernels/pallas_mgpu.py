@@ -7,8 +7,8 @@ memory buffers with TMA. The two compute warpgroups take turns on the tensor cor
 
 Each compute warpgroup certifies its block_q rows in its prologue from the q tile it has loaded
 and the K/V pre-pass (stabilizer.key_bounds → row_bounds → stabilize; no pass over q outside the
-kernel), or reads the XLA certificate (granularity="head", and packed inputs, whose rows each need
-their segment's centre), and runs one of two loops over the KV blocks:
+kernel; packed rows against their segment's centre), or reads the XLA certificate
+(granularity="head"), and runs one of two loops over the KV blocks:
   certified: p = 2^(σ₂·q·kᵀ − M) with the row's fixed M; no row max, no rescale of acc and l.
              l sums the weights before they are rounded for P·V, as the online path does: the
              exact sum of the rounded weights (stabilizer.py, "Normalisation"; the Triton kernel's
@@ -18,8 +18,8 @@ their segment's centre), and runs one of two loops over the KV blocks:
   otherwise: the online softmax (running max, rescale), also the whole of stabilizer="online".
 Under the causal mask the loop splits into blocks wholly below the diagonal (no mask) and the
 few that straddle it; causal q tiles run last-first so the longest start early.
-Layout: q [B, S, Hq, D], k/v [B, S, Hkv, D] (the API's); lse [B, Hq, S] f32 base 2, as the
-Triton backward (pallas_gpu_vjp) expects, which is this backend's backward.
+Layout: q [B, S, Hq, D], k/v [B, S, Hkv, D] (the API's); lse [B, Hq, S] f32 base 2, as both
+backwards expect (pallas_mgpu_vjp, the default, and pallas_gpu_vjp's Triton one).
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from clis_kernels import masks, pallas_gpu, pallas_gpu_vjp
+from clis_kernels import masks, pallas_gpu, pallas_gpu_vjp, pallas_mgpu_vjp
+from clis_kernels.mgpu_pipeline import COMPUTE_WARPGROUPS, stream_blocks, swizzled
 from clis_kernels.common import out_struct
-from clis_kernels.stabilizer import EMPTY_LSE, LOG2E, Certificate, KeyBounds, certify_rows, row_bounds, stabilize
+from clis_kernels.stabilizer import EMPTY_LSE, LOG2E, Certificate, KeyBounds, row_bounds, stabilize
 
-COMPUTE_WARPGROUPS = 2
 HEAD_DIMS = (64, 128)
 FAILED_TILE_M = 1e30  # M sent for rows of a tile the XLA certificate failed (real M are far smaller)
 ONLINE_FLOOR = -1e20  # the online loop's starting max (base 2): below any real logit
@@ -45,26 +45,35 @@ ONLINE_FLOOR = -1e20  # the online loop's starting max (base 2): below any real 
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """Tiles of the Mosaic GPU forward, and of the Triton backward it shares with pallas_gpu.
+  """Tiles of the Mosaic GPU forward and of its backward (Mosaic GPU by default, or pallas_gpu's Triton one).
 
   block_q: rows per compute warpgroup (a CTA holds 2·block_q rows); also the certificate tile.
   block_kv: keys per pipeline step; slots: K/V blocks in flight (shared-memory buffers).
+  backward: pallas_gpu.BlockSizes (the Triton backward) or pallas_mgpu_vjp.BlockSizes (Mosaic GPU).
+  pingpong: the two compute warpgroups take turns on the tensor cores (FA3's schedule); False lets
+  both issue wgmma as soon as their operands are ready.
+  overlap: the certified loop issues block i+1's Q·Kᵀ before block i's softmax (needs pingpong=False).
   """
 
   block_q: int = 64
   block_kv: int = 128
   slots: int = 2
-  backward: pallas_gpu.BlockSizes = pallas_gpu.BlockSizes()
+  backward: pallas_gpu.BlockSizes | pallas_mgpu_vjp.BlockSizes = pallas_mgpu_vjp.BlockSizes()
+  pingpong: bool = True
+  overlap: bool = False
 
   def __post_init__(self):
+    if self.overlap and self.pingpong:
+      raise ValueError("overlap=True needs pingpong=False (each warpgroup overlaps its own steps instead)")
     if self.block_q != 64:
       raise ValueError(f"{self.block_q=} must be 64 (one wgmma M tile per compute warpgroup)")
     if self.block_kv not in (64, 128):
       raise ValueError(f"{self.block_kv=} must be 64 or 128 (larger K/V blocks overflow shared memory at D=128)")
     if self.slots < 2:
       raise ValueError(f"{self.slots=} must be at least 2 (one block computing while the next loads)")
-    if not isinstance(self.backward, pallas_gpu.BlockSizes):
-      raise ValueError(f"backward must be a pallas_gpu.BlockSizes; got {type(self.backward).__name__}")
+    if not isinstance(self.backward, (pallas_gpu.BlockSizes, pallas_mgpu_vjp.BlockSizes)):
+      raise ValueError("backward must be a pallas_gpu.BlockSizes (Triton) or a pallas_mgpu_vjp.BlockSizes "
+                       f"(Mosaic GPU); got {type(self.backward).__name__}")
 
   @property
   def tile(self) -> int:
@@ -76,9 +85,11 @@ class BlockSizes:
 
 
 def default_block_sizes(head_dim: int, seq_len: int, dtype) -> BlockSizes:
-  """One shape for both supported head dims (H200 sweep in notes/kernels.md); the backward's
-  tiles are pallas_gpu's."""
-  return BlockSizes(backward=pallas_gpu.default_block_sizes(head_dim, seq_len, dtype))
+  """One shape for both supported head dims, with the Mosaic GPU backward (H200 sweeps in
+  notes/kernels.md: block_kv 128, 2 slots, ping-pong on were fastest for both loops; the Mosaic
+  backward took causal 8k fwd+bwd from 5.62 to 4.24 ms)."""
+  del head_dim, seq_len, dtype
+  return BlockSizes()
 
 
 def _check(q, k, cert, scale, interpret):
@@ -97,7 +108,7 @@ def _check(q, k, cert, scale, interpret):
 
 
 def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, block_q: int, block_kv: int,
-            slots: int, kv_len: int | None, group: int, has_segments: bool):
+            slots: int, kv_len: int | None, group: int, has_segments: bool, pingpong: bool, overlap: bool):
   m_ref = centre_ref = bounds_ref = flags_ref = qseg_ref = kseg_ref = None
   if has_segments:
     (qseg_ref, kseg_ref), refs = refs[:2], refs[2:]
@@ -127,13 +138,17 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, 
   def body(qo_smem, k_smem, v_smem, row_smem, k_ready, v_ready, q_ready, m_ready, k_free, v_free, schedule,
            *extra_scratch):
     wg = lax.axis_index("wg")
-    keys_scratch = extra_scratch[:6] if mode == "keys" else ()
+    keys_scratch = extra_scratch[:7] if mode == "keys" else ()
     qseg_smem, kseg_smem, qseg_ready, kseg_ready = extra_scratch[-4:] if has_segments else (None,) * 4
     kv_head = lax.div(head, jnp.int32(group))
 
     def take_turn():  # hand the tensor cores to the other compute warpgroup and wait for them back
       plgpu.barrier_arrive(schedule)
       plgpu.barrier_wait(schedule)
+
+    def turn():  # take_turn inside the KV loop, when the warpgroups ping-pong
+      if pingpong:
+        take_turn()
 
     @pl.when(wg < COMPUTE_WARPGROUPS)
     def _compute():
@@ -145,8 +160,9 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, 
       if mode == "cert":
         plgpu.copy_gmem_to_smem(m_ref.at[batch, head, pl.ds(row0, block_q)], rows, m_ready.at[wg])
       if mode == "keys":
-        centre_smem, kdiag_smem, flag_smem, bounds_smem, kdiag_ready, bounds_ready = keys_scratch
-        plgpu.copy_gmem_to_smem(centre_ref.at[batch, 0, kv_head], centre_smem.at[wg], m_ready.at[wg])
+        centre_smem, kdiag_smem, flag_smem, bounds_smem, kdiag_ready, bounds_ready, centre_ready = keys_scratch
+        if not has_segments:  # one centre per (batch, kv head); packed rows load theirs in certify_here
+          plgpu.copy_gmem_to_smem(centre_ref.at[batch, 0, kv_head], centre_smem.at[wg], centre_ready.at[wg])
         plgpu.copy_gmem_to_smem(bounds_ref.at[batch, kv_head, :, pl.ds(row0, block_q)], bounds_smem.at[wg],
                                 bounds_ready.at[wg])
         if causal:  # each row's own key: the lower bound L = t_ii
@@ -163,20 +179,34 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, 
       def certify_here():
         """(M, certified) of this warpgroup's rows from the K/V pre-pass (stabilizer.row_bounds and
         stabilize, as the Triton kernel's prologue); the flag goes out per row for the stats.
-        Radius, headroom and threshold arrive per row through TMA, as M does in "cert" mode."""
-        plgpu.barrier_wait(m_ready.at[wg])
+        Radius, headroom, threshold and the centre's rounding slack arrive per row through TMA, as
+        M does in "cert" mode. Packed rows each have their segment's centre, rounded to q's dtype:
+        one [block_q, D] buffer serves both warpgroups, which run this one after the other."""
         plgpu.barrier_wait(bounds_ready.at[wg])
         q = plgpu.load(q_smem, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-        centre = plgpu.load(centre_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(0))
-        radius, headroom, threshold = (plgpu.load(bounds_smem.at[wg, j], layout=plgpu.Layout.WGMMA.reduce(1))
-                                       for j in range(3))
+        if has_segments:
+          plgpu.copy_gmem_to_smem(centre_ref.at[batch, pl.ds(row0, block_q), kv_head], centre_smem,
+                                  centre_ready.at[wg])
+          plgpu.barrier_wait(centre_ready.at[wg])
+          centre = plgpu.load(centre_smem, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+        else:
+          plgpu.barrier_wait(centre_ready.at[wg])
+          centre = lax.broadcast_in_dim(plgpu.load(centre_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(0)),
+                                        q.shape, [1])
+        radius, headroom, threshold, slack = (
+            plgpu.load(bounds_smem.at[wg, j], layout=plgpu.Layout.WGMMA.reduce(1)) for j in range(4))
         k_diag = None
         if causal:
           plgpu.barrier_wait(kdiag_ready.at[wg])
           k_diag = plgpu.load(kdiag_smem.at[wg], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-        upper, lower = row_bounds(q, lax.broadcast_in_dim(centre, q.shape, [1]), radius, k_diag, sigma2=sigma2)
+        upper, lower = row_bounds(q, centre, radius, k_diag, sigma2=sigma2)  # radius includes the slack
+        if k_diag is None:  # L = σ₂·q·c with the rounded centre c' can exceed σ₂·q·c by σ₂·‖q‖·‖c − c'‖
+          lower = lower - sigma2 * jnp.sqrt(jnp.sum(q * q, axis=1)) * slack
         m, row_ok = stabilize(upper, lower, headroom, threshold)  # rows the API padded are zero: they pass
-        certified = jnp.min(row_ok.astype(jnp.int32))
+        row_ok = row_ok.astype(jnp.int32)
+        if has_segments:  # packed padding rows (id 0) see no key: they pass, as in stabilize()
+          row_ok = jnp.maximum(row_ok, (q_ids == 0).astype(jnp.int32))
+        certified = jnp.min(row_ok)
         flag_smem.at[wg][...] = plgpu.layout_cast(jnp.full((block_q,), certified.astype(jnp.float32)),
                                                   plgpu.Layout.WGMMA.reduce(1))
         plgpu.commit_smem()
@@ -194,18 +224,10 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, 
         carry = (plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), plgpu.Layout.WGMMA),
                  *(() if fixed else (m0,)), l0)
         plgpu.barrier_wait(k_ready.at[0])
-        pl.when(wg == 1)(take_turn)  # warpgroup 1 starts half a step behind warpgroup 0
+        pl.when(wg == 1)(turn)  # warpgroup 1 starts half a step behind warpgroup 0
 
-        def step(i, carry, masked: bool):
-          acc, m, l = (carry[0], m0, carry[1]) if fixed else carry
-          slot = lax.rem(i, jnp.int32(slots))
-
-          def qk_scope(acc_ref):
-            plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
-            take_turn()
-            return acc_ref[...]
-
-          qk = pl.run_scoped(qk_scope, plgpu.ACC((block_q, block_kv), jnp.float32))
+        def visible(qk, i, slot, masked: bool):
+          """Block i's logits with −inf where a key is hidden; releases the block's K (read now)."""
           if has_segments:  # every step: a query sees keys of its own segment (padding keys are −1)
             plgpu.barrier_wait(kseg_ready.at[slot])
             k_ids = plgpu.load(kseg_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
@@ -218,6 +240,18 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, 
             q_pos = row0 + plgpu.broadcasted_iota(jnp.int32, qk.shape, 0, layout=plgpu.Layout.WGMMA)
             k_pos = i * block_kv + plgpu.broadcasted_iota(jnp.int32, qk.shape, 1, layout=plgpu.Layout.WGMMA)
             qk = jnp.where(q_pos >= k_pos if causal else k_pos < kv_len, qk, -jnp.inf)
+          return qk
+
+        def step(i, carry, masked: bool):
+          acc, m, l = (carry[0], m0, carry[1]) if fixed else carry
+          slot = lax.rem(i, jnp.int32(slots))
+
+          def qk_scope(acc_ref):
+            plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
+            turn()
+            return acc_ref[...]
+
+          qk = visible(pl.run_scoped(qk_scope, plgpu.ACC((block_q, block_kv), jnp.float32)), i, slot, masked)
           if fixed:  # the certified step: one FMA and one exp2 per weight, no max, no rescale
             p = jnp.exp2(qk * sigma2 - lax.broadcast_in_dim(m, qk.shape, [0]))
             l = l + p.sum(axis=1)  # the unrounded weights: see the module docstring
@@ -233,9 +267,11 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, 
             acc, l, p_low = lax.optimization_barrier((acc, l, p_low))
           else:
             acc, m, l, p_low = lax.optimization_barrier((acc, m, l, p_low))
-          plgpu.barrier_arrive(schedule)  # softmax done
+          if pingpong:
+            plgpu.barrier_arrive(schedule)  # softmax done
           plgpu.barrier_wait(v_ready.at[slot])
-          plgpu.barrier_wait(schedule)  # tensor cores free again
+          if pingpong:
+            plgpu.barrier_wait(schedule)  # tensor cores free again
 
           def pv(acc_ref):
             plgpu.wgmma(acc_ref, p_low, v_smem.at[slot])
@@ -248,20 +284,57 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, 
           plgpu.barrier_arrive(v_free.at[slot])
           return (acc, l) if fixed else (acc, m, l)
 
+        def overlapped_step(i, carry, masked: bool):
+          """The certified step with block i+1's Q·Kᵀ issued before block i's exp2 (p_i depends on
+          nothing of step i−1, so the tensor cores work while this warpgroup exponentiates)."""
+          acc, l, qk = carry  # qk: block i's logits, already computed
+          slot, nxt = lax.rem(i, jnp.int32(slots)), lax.rem(i + 1, jnp.int32(slots))
+          qk = visible(qk, i, slot, masked)
+
+          def scope(next_ref):
+            @pl.when(i + 1 < total)
+            def _():
+              plgpu.barrier_wait(k_ready.at[nxt])
+              plgpu.wgmma(next_ref, q_smem, k_smem.at[nxt].T)
+
+            p = jnp.exp2(qk * sigma2 - lax.broadcast_in_dim(m0, qk.shape, [0]))
+            new_l, p_low = l + p.sum(axis=1), p.astype(dtype)
+            plgpu.barrier_wait(v_ready.at[slot])
+            new_acc = pl.run_state(lambda r: plgpu.wgmma(r, p_low, v_smem.at[slot]))(plgpu.ACC.init(acc))
+            return new_acc, new_l, next_ref[...]
+
+          carry = pl.run_scoped(scope, plgpu.ACC((block_q, block_kv), jnp.float32))
+          plgpu.barrier_arrive(v_free.at[slot])
+          return carry
+
         masked_steps = causal or kv_len is not None
-        carry = lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
-        if masked_steps:
-          carry = lax.fori_loop(full, total, functools.partial(step, masked=True), carry)
-        if causal:  # blocks the other warpgroup still needs: release them and keep taking turns
+        if fixed and overlap:
+          def first_qk(acc_ref):
+            plgpu.wgmma(acc_ref, q_smem, k_smem.at[0].T)
+            return acc_ref[...]
+
+          carry = (*carry, pl.run_scoped(first_qk, plgpu.ACC((block_q, block_kv), jnp.float32)))
+          carry = lax.fori_loop(0, full, functools.partial(overlapped_step, masked=False), carry)
+          if masked_steps:
+            carry = lax.fori_loop(full, total, functools.partial(overlapped_step, masked=True), carry)
+          carry = carry[:2]
+        else:
+          carry = lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
+          if masked_steps:
+            carry = lax.fori_loop(full, total, functools.partial(step, masked=True), carry)
+        if causal:  # blocks the other warpgroup still needs: release them in step with its loop
           def drain(i, _):
             slot = lax.rem(i, jnp.int32(slots))
+            if not pingpong:  # without the schedule's lockstep, wait for each block before releasing it
+              for barrier in (k_ready, v_ready) + ((kseg_ready,) if has_segments else ()):
+                plgpu.barrier_wait(barrier.at[slot])
             plgpu.barrier_arrive(k_free.at[slot])
             plgpu.barrier_arrive(v_free.at[slot])
-            take_turn()
-            take_turn()
+            turn()
+            turn()
 
           lax.fori_loop(total, cta_blocks, drain, None)
-        pl.when(wg == 0)(take_turn)
+        pl.when(wg == 0)(turn)
         acc, m, l = (carry[0], m0, carry[1]) if fixed else carry
         o = acc * lax.broadcast_in_dim(1.0 / l, acc.shape, [0])
         lse = m + jnp.log2(l)
@@ -310,22 +383,13 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, 
           plgpu.copy_gmem_to_smem(kseg_ref.at[batch, pl.ds(block * block_kv, block_kv)], kseg_smem.at[slot],
                                   kseg_ready.at[slot])
 
-      for slot in range(slots):
-        pl.when(slot < cta_blocks)(functools.partial(load, slot, slot))
+      stream_blocks(load, num_blocks=cta_blocks, slots=slots, free=(k_free, v_free))
 
-      @pl.loop(slots, cta_blocks)
-      def _(block):
-        slot = lax.rem(block, jnp.int32(slots))
-        plgpu.barrier_wait(k_free.at[slot])
-        plgpu.barrier_wait(v_free.at[slot])
-        load(block, slot)
-
-  swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   pl.run_scoped(
       body,
-      plgpu.SMEM((COMPUTE_WARPGROUPS, block_q, head_dim), dtype, transforms=swizzled),  # q, then o
-      plgpu.SMEM((slots, block_kv, head_dim), dtype, transforms=swizzled),  # k blocks
-      plgpu.SMEM((slots, block_kv, head_dim), dtype, transforms=swizzled),  # v blocks
+      plgpu.SMEM((COMPUTE_WARPGROUPS, block_q, head_dim), dtype, transforms=swizzled()),  # q, then o
+      plgpu.SMEM((slots, block_kv, head_dim), dtype, transforms=swizzled()),  # k blocks
+      plgpu.SMEM((slots, block_kv, head_dim), dtype, transforms=swizzled()),  # v blocks
       plgpu.SMEM((COMPUTE_WARPGROUPS, block_q), jnp.float32),  # M in, lse out
       plgpu.Barrier(num_barriers=slots),  # k_ready
       plgpu.Barrier(num_barriers=slots),  # v_ready
@@ -335,12 +399,14 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, 
       plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=slots),  # v_free
       plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS),  # schedule
       *(() if mode != "keys" else (
-          plgpu.SMEM((COMPUTE_WARPGROUPS, head_dim), jnp.float32),  # centre
-          plgpu.SMEM((COMPUTE_WARPGROUPS, block_q, head_dim), dtype, transforms=swizzled),  # diagonal keys
+          plgpu.SMEM((block_q, head_dim), dtype, transforms=swizzled()) if has_segments  # packed: rows' centres
+          else plgpu.SMEM((COMPUTE_WARPGROUPS, head_dim), jnp.float32),  # the centre
+          plgpu.SMEM((COMPUTE_WARPGROUPS, block_q, head_dim), dtype, transforms=swizzled()),  # diagonal keys
           plgpu.SMEM((COMPUTE_WARPGROUPS, block_q), jnp.float32),  # certified flag out
-          plgpu.SMEM((COMPUTE_WARPGROUPS, 3, block_q), jnp.float32),  # radius, headroom, threshold per row
+          plgpu.SMEM((COMPUTE_WARPGROUPS, 4, block_q), jnp.float32),  # radius, headroom, threshold, slack
           plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS),  # kdiag_ready
-          plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS))),  # bounds_ready
+          plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS),  # bounds_ready
+          plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS))),  # centre_ready
       *(() if not has_segments else (
           plgpu.SMEM((COMPUTE_WARPGROUPS, block_q), jnp.int32),  # query segment ids
           plgpu.SMEM((slots, block_kv), jnp.int32),  # key segment ids, one block per slot
@@ -350,12 +416,31 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, 
   )
 
 
+def _per_row(x, *, tile: int, seq: int):
+  """[..., n] per tile of `tile` rows (or [..., 1] for all) -> [..., seq] per row."""
+  return jnp.broadcast_to(jnp.repeat(x, tile, axis=-1) if x.shape[-1] > 1 else x, x.shape[:-1] + (seq,))
+
+
+def kernel_key_inputs(keys: KeyBounds, *, packed: bool, dtype, seq: int, tile: int):
+  """(centre, bounds) as the kernel reads them. centre: [B, 1, Hkv, D] f32, or packed [B, S, Hkv, D]
+  each row's segment centre rounded to `dtype` (half the shared memory of f32). bounds [B, Hkv, 4, S]
+  f32 per row: radius + slack, headroom, threshold, slack, where slack = max ‖c − c_rounded‖ keeps
+  the bound sound: ‖k_j − c'‖ ≤ ‖k_j − c‖ + ‖c − c'‖ ≤ radius + slack."""
+  per_row = functools.partial(_per_row, tile=tile, seq=seq)
+  centre = keys.centre.astype(dtype if packed else jnp.float32)
+  slack = jnp.linalg.norm(keys.centre - centre.astype(jnp.float32), axis=-1).max(axis=1)[..., None]  # [B, Hkv, 1]
+  bounds = [per_row(keys.radius + slack), per_row(keys.headroom[..., None]), per_row(keys.threshold[..., None]),
+            per_row(slack)]
+  return centre, jnp.stack(bounds, axis=2).astype(jnp.float32)
+
+
 def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv_len, block_sizes: BlockSizes,
             keys: KeyBounds | None = None, seq_len: int | None = None, interpret=False):
   """Returns (o [B, S, Hq, D], lse [B, Hq, S] f32 base 2, certified tiles [B, Hq, S/64] or None).
 
   The stabilizer comes from `keys` (the K/V pre-pass; each warpgroup certifies its rows in the
-  prologue), from `cert` (the whole XLA pre-pass, for granularity="head"), or neither (online).
+  prologue, packed rows against their segment's centre), from `cert` (the whole XLA pre-pass, for
+  granularity="head"), or neither (online).
   S must be a multiple of block_sizes.multiple (the API pads with zeros, which the in-kernel
   certificate relies on: zero rows pass). seq_len: accepted for the API's call, not needed.
   """
@@ -366,27 +451,23 @@ def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv
   bs = block_sizes
   if seq % bs.multiple or k.shape[1] % bs.multiple:
     raise ValueError(f"{bs.multiple=} must divide the padded lengths {q.shape[1]=} and {k.shape[1]=}")
-  if segment_ids is not None and keys is not None:  # per-segment centres: the XLA rows pass certifies
-    cert = certify_rows(q, k, segment_ids, keys, causal=causal, scale=scale, granularity="tile",
-                        block_q=bs.tile, seq_len=seq if seq_len is None else seq_len)
-    keys = None
   mode = "keys" if keys is not None else "cert" if cert is not None else "online"
   kernel = functools.partial(
       _kernel, mode=mode, causal=causal, sigma2=scale * LOG2E, block_q=bs.block_q,
       block_kv=bs.block_kv, slots=min(bs.slots, k.shape[1] // bs.block_kv), kv_len=kv_len,
-      group=num_heads // k.shape[2], has_segments=segment_ids is not None)
+      group=num_heads // k.shape[2], has_segments=segment_ids is not None, pingpong=bs.pingpong,
+      overlap=bs.overlap)
   args = [q, k, v]
   if segment_ids is not None:  # key id 0 (padding) becomes −1: it then matches no query, padding included
     args += [segment_ids.astype(jnp.int32), jnp.where(segment_ids == 0, -1, segment_ids).astype(jnp.int32)]
   out_type = [out_struct(q.shape, q.dtype, q), out_struct((batch, num_heads, seq), jnp.float32, q)]
-  per_row = lambda x: jnp.broadcast_to(jnp.repeat(x, bs.tile, axis=-1) if x.shape[-1] > 1 else x, x.shape[:-1] + (seq,))
   if mode == "cert":  # the kernel reads the certificate per row, with M
-    args += [jnp.where(per_row(cert.certified), cert.m, FAILED_TILE_M)]
+    args += [jnp.where(_per_row(cert.certified, tile=bs.tile, seq=seq), cert.m, FAILED_TILE_M)]
   if mode == "keys":
-    if keys.centre.shape[1] != 1:
-      raise ValueError("implementation='pallas_mgpu' takes one key centre per (batch, kv head) (no segments)")
-    bounds = [per_row(keys.radius), per_row(keys.headroom[..., None]), per_row(keys.threshold[..., None])]
-    args += [keys.centre.astype(jnp.float32), jnp.stack(bounds, axis=2).astype(jnp.float32)]  # [B, Hkv, 3, S]
+    if (keys.centre.shape[1] == 1) != (segment_ids is None):
+      raise ValueError(f"keys.centre.shape={keys.centre.shape}: one centre per (batch, kv head) without "
+                       "segment_ids, one per position with them (stabilizer.key_bounds gives both)")
+    args += list(kernel_key_inputs(keys, packed=segment_ids is not None, dtype=q.dtype, seq=seq, tile=bs.tile))
     out_type.append(out_struct((batch, num_heads, seq), jnp.float32, q))  # certified flag per row
   outs = plgpu.kernel(
       kernel,
@@ -404,6 +485,9 @@ def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv
 
 
 def backward(q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_sizes: BlockSizes, interpret=False):
-  """The Triton backward (pallas_gpu_vjp) from this forward's o and base-2 lse."""
+  """The backward block_sizes.backward names (Triton or Mosaic GPU), from this forward's o and base-2 lse."""
+  if isinstance(block_sizes.backward, pallas_mgpu_vjp.BlockSizes):
+    return pallas_mgpu_vjp.backward(q, k, v, segment_ids, o, lse, do, causal=causal, scale=scale, kv_len=kv_len,
+                                    block_sizes=block_sizes.backward)
   return pallas_gpu_vjp.backward(q, k, v, segment_ids, o, lse, do, causal=causal, scale=scale, kv_len=kv_len,
                                  block_sizes=block_sizes.backward, interpret=interpret)

@@ -122,6 +122,9 @@ def implementations(names, platform, quick):
     table["online_mgpu"] = lambda q, k, v, seg, causal: attention(q, k, v, seg, causal=causal, stabilizer="online",
                                                                   implementation="pallas_mgpu")
     table["clis_mgpu_prepass"] = _mgpu_prepass
+    triton_bwd = pallas_mgpu.BlockSizes(backward=pallas_gpu.BlockSizes())  # the forward with the Triton backward
+    table["clis_mgpu_triton_bwd"] = lambda q, k, v, seg, causal: attention(
+        q, k, v, seg, causal=causal, stabilizer="clis", implementation="pallas_mgpu", block_sizes=triton_bwd)
   fns, notes = {}, []
   for name in names:
     if name == "cudnn" and platform != "gpu":
@@ -138,7 +141,7 @@ def implementations(names, platform, quick):
         notes.append("splash skipped: needs a TPU")
     elif name in table:
       fns[name] = table[name]
-    elif name.endswith("_mgpu") or name == "clis_mgpu_prepass":
+    elif "_mgpu" in name:
       notes.append(f"{name} skipped: the Mosaic GPU kernel needs an NVIDIA Hopper GPU")
     else:
       raise SystemExit(f"--impls: unknown implementation {name!r}")

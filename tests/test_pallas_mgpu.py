@@ -14,10 +14,12 @@ import pytest
 
 import f64_reference as ref
 from attention_base import CLIS_VS_ONLINE, TOLERANCE, lower_for_h200, packed_segments, random_inputs
-from clis_kernels import attention, pallas_gpu, pallas_mgpu
+from clis_kernels import attention, pallas_gpu, pallas_mgpu, pallas_mgpu_vjp
 
 ON_GPU = jax.devices()[0].platform == "gpu"
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernels run on an NVIDIA Hopper GPU only")
+MOSAIC_BACKWARD = pallas_mgpu.BlockSizes()  # the default
+TRITON_BACKWARD = pallas_mgpu.BlockSizes(backward=pallas_gpu.BlockSizes())
 
 
 @pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
@@ -26,8 +28,8 @@ needs_gpu = pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernels run on an 
     (False, 256, 64, "online", "tile"), (True, 256, 128, "clis", "head"), (False, 200, 64, "clis", "head")])
 @pytest.mark.parametrize("packed", [False, True])
 def test_kernel_lowers_for_the_gpu(monkeypatch, causal, seq, d, stabilizer, granularity, packed):
-  """Forward (Mosaic GPU: in-kernel certificate for tiles, XLA certificate for heads) and backward
-  (Triton) lower for an H200, odd lengths padded and masked."""
+  """Forward (in-kernel certificate for tiles, XLA certificate for heads) and the default backward
+  lower for an H200 as three Mosaic GPU kernels, odd lengths padded and masked."""
   monkeypatch.setattr("clis_kernels.api._platform", lambda: "gpu")
   q = jax.ShapeDtypeStruct((1, seq, 8, d), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((1, seq, 2, d), jnp.bfloat16)
@@ -40,9 +42,64 @@ def test_kernel_lowers_for_the_gpu(monkeypatch, causal, seq, d, stabilizer, gran
     return out.astype(jnp.float32).sum()
 
   text = lower_for_h200(jax.grad(loss, argnums=(0, 1, 2)), q, k, k, seg)
-  assert "mosaic_gpu" in text
+  assert text.count("custom_call @mosaic_gpu") == 3 and "clis_bwd" not in text
+
+
+@pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
+@pytest.mark.parametrize("packed", [False, True])
+def test_triton_backward_lowers_for_the_gpu(monkeypatch, packed):
+  """backward=pallas_gpu.BlockSizes() keeps the Mosaic forward and takes pallas_gpu's Triton backward."""
+  monkeypatch.setattr("clis_kernels.api._platform", lambda: "gpu")
+  q = jax.ShapeDtypeStruct((1, 256, 8, 128), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
+  seg = jax.ShapeDtypeStruct((1, 256), jnp.int32) if packed else None
+
+  def loss(q, k, v, seg):
+    return attention(q, k, v, seg, causal=True, implementation="pallas_mgpu",
+                     block_sizes=TRITON_BACKWARD).astype(jnp.float32).sum()
+
+  text = lower_for_h200(jax.grad(loss, argnums=(0, 1, 2)), q, k, k, seg)
+  assert text.count("custom_call @mosaic_gpu") == 1
   for name in ("clis_bwd_dq", "clis_bwd_dkv"):
     assert name in text
+
+
+
+@pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
+@pytest.mark.parametrize("causal,seq,d,hkv,packed", [
+    (True, 256, 128, 2, False), (False, 200, 64, 8, False), (True, 256, 64, 2, True), (False, 256, 128, 8, True)])
+def test_mosaic_backward_lowers_for_the_gpu(monkeypatch, causal, seq, d, hkv, packed):
+  """With the default backward=pallas_mgpu_vjp.BlockSizes(), forward, dQ and dK/dV are three Mosaic GPU
+  kernels (no Triton kernel left), GQA and MHA, odd lengths padded, packed segments."""
+  monkeypatch.setattr("clis_kernels.api._platform", lambda: "gpu")
+  q = jax.ShapeDtypeStruct((1, seq, 8, d), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, seq, hkv, d), jnp.bfloat16)
+  seg = jax.ShapeDtypeStruct((1, seq), jnp.int32) if packed else None
+
+  def loss(q, k, v, seg):
+    return attention(q, k, v, seg, causal=causal, implementation="pallas_mgpu",
+                     block_sizes=MOSAIC_BACKWARD).astype(jnp.float32).sum()
+
+  text = lower_for_h200(jax.grad(loss, argnums=(0, 1, 2)), q, k, k, seg)
+  assert text.count("custom_call @mosaic_gpu") == 3 and "clis_bwd" not in text
+
+
+@pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("causal,packed", [(True, False), (False, False), (True, True)])
+def test_forward_without_pingpong_lowers_for_the_gpu(monkeypatch, causal, packed, overlap):
+  monkeypatch.setattr("clis_kernels.api._platform", lambda: "gpu")
+  q = jax.ShapeDtypeStruct((1, 384, 4, 128), jnp.bfloat16)
+  seg = jax.ShapeDtypeStruct((1, 384), jnp.int32) if packed else None
+  fn = lambda q, k, v, seg: attention(q, k, v, seg, causal=causal, implementation="pallas_mgpu",
+                                      block_sizes=pallas_mgpu.BlockSizes(pingpong=False, overlap=overlap))
+  assert "mosaic_gpu" in lower_for_h200(fn, q, q, q, seg)
+
+
+def test_mosaic_backward_block_sizes_are_validated():
+  with pytest.raises(ValueError, match="slots=1 must be at least 2"):
+    pallas_mgpu_vjp.BlockSizes(slots=1)
+  assert MOSAIC_BACKWARD.multiple == 128
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -62,6 +119,7 @@ def test_unsupported_inputs_get_one_clear_error(monkeypatch, kwargs, message):
 @pytest.mark.parametrize("kwargs,message", [(dict(block_q=128), "block_q=128 must be 64"),
                                             (dict(block_kv=256), "block_kv=256 must be 64 or 128"),
                                             (dict(slots=1), "slots=1 must be at least 2"),
+                                            (dict(overlap=True), "overlap=True needs pingpong=False"),
                                             (dict(backward=None), "backward must be a pallas_gpu.BlockSizes")])
 def test_block_sizes_are_validated(kwargs, message):
   with pytest.raises(ValueError, match=message):
@@ -109,6 +167,25 @@ def test_forward_and_gradients_match_float64_on_gpu(case):
 
 
 @needs_gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
+def test_mosaic_backward_matches_float64_on_gpu(case):
+  """The Mosaic GPU backward: gradients against float64, as accurate as the Triton backward's."""
+  name, batch, seq, hq, hkv, d, causal, packed = case
+  q, k, v, do = random_inputs(len(name), batch, seq, hq, hkv, d, jnp.bfloat16)
+  seg = packed_segments(len(name), batch, seq) if packed else None
+  want = ref.attention(q, k, v, do, seg, causal=causal)[1:]
+  errors = {}
+  for label, bs in (("mosaic", MOSAIC_BACKWARD), ("triton", TRITON_BACKWARD)):
+    f = lambda q, k, v: attention(q, k, v, seg, causal=causal, implementation="pallas_mgpu", block_sizes=bs)
+    grads = jax.vjp(f, q, k, v)[1](do)
+    assert all(bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in grads), label
+    errors[label] = [ref.rel_err(g, w) for g, w in zip(grads, want)]
+  assert max(errors["mosaic"]) < TOLERANCE[jnp.bfloat16][1], errors
+  for mosaic, triton in zip(errors["mosaic"], errors["triton"]):
+    assert mosaic <= CLIS_VS_ONLINE * triton, errors
+
+
+@needs_gpu
 def test_attention_sink_falls_back_per_warpgroup_tile_and_stays_exact_on_gpu():
   q, k, v, do = random_inputs(1, 1, 1024, 4, 1, 128, jnp.bfloat16)
   sink = 600
@@ -127,9 +204,9 @@ def test_attention_sink_falls_back_per_warpgroup_tile_and_stays_exact_on_gpu():
 
 @needs_gpu
 @pytest.mark.parametrize("granularity,packed", [("head", False), ("tile", True)])
-def test_xla_certificate_with_failed_tiles_stays_exact_on_gpu(granularity, packed):
-  """The kernel's "cert" mode (granularity="head", or packed inputs): tiles the XLA certificate
-  fails (a sink) run the online loop, the rest the certified one; the output matches float64."""
+def test_failed_tiles_stay_exact_on_gpu(granularity, packed):
+  """Failed tiles (a sink) run the online loop, the rest the certified one, and the output matches
+  float64: with the XLA certificate (granularity="head") and with the in-kernel one on packed rows."""
   q, k, v, do = random_inputs(3, 1, 1024, 4, 2, 128, jnp.bfloat16)
   k = k.at[:, 600, 0].multiply(40.0)  # a sink in kv head 0 only: its query heads fail, the others pass
   seg = packed_segments(3, 1, 1024) if packed else None
@@ -143,6 +220,22 @@ def test_xla_certificate_with_failed_tiles_stays_exact_on_gpu(granularity, packe
 
 
 @needs_gpu
+@pytest.mark.parametrize("causal", [True, False])
+def test_packed_in_kernel_certificate_is_never_looser_than_xla_on_gpu(causal):
+  """Packed rows certify in the kernel against their segment's centre rounded to bf16, with the
+  rounding slack added to the bound: it may refuse a tile the XLA certificate passes, never the reverse."""
+  from clis_kernels import stabilizer
+  q, k, v, _ = random_inputs(11, 1, 1024, 4, 1, 128, jnp.bfloat16)
+  k = k.at[:, 600].multiply(40.0)
+  seg = packed_segments(11, 1, 1024)
+  _, stats = attention(q, k, v, seg, causal=causal, implementation="pallas_mgpu", return_stats=True)
+  cert = stabilizer.certify(q, k, v, seg, causal=causal, scale=128 ** -0.5, tau=64.0, granularity="tile",
+                            block_q=64, seq_len=1024)
+  kernel, xla = np.asarray(stats.certified_tiles), np.asarray(cert.certified)
+  assert not np.any(kernel & ~xla) and kernel.mean() >= xla.mean() - 0.1, (kernel, xla)
+
+
+@needs_gpu
 def test_matches_the_triton_backend_on_gpu():
   q, k, v, _ = random_inputs(7, 1, 2048, 8, 2, 128, jnp.bfloat16)
   for causal in (True, False):
@@ -152,9 +245,11 @@ def test_matches_the_triton_backend_on_gpu():
 
 
 @needs_gpu
-@pytest.mark.parametrize("block_kv,slots", [(128, 2), (64, 2), (64, 3), (64, 4)])
-def test_every_tile_config_is_exact_on_gpu(block_kv, slots):
-  bs = pallas_mgpu.BlockSizes(block_kv=block_kv, slots=slots)
+@pytest.mark.parametrize("block_kv,slots,pingpong,overlap", [
+    (128, 2, True, False), (64, 2, True, False), (64, 3, True, False), (64, 4, True, False),
+    (128, 2, False, False), (64, 3, False, False), (128, 2, False, True), (64, 3, False, True)])
+def test_every_tile_config_is_exact_on_gpu(block_kv, slots, pingpong, overlap):
+  bs = pallas_mgpu.BlockSizes(block_kv=block_kv, slots=slots, pingpong=pingpong, overlap=overlap)
   for causal, seq in ((True, 640), (False, 1000)):
     q, k, v, do = random_inputs(seq + slots, 1, seq, 4, 2, 128, jnp.bfloat16)
     want = ref.attention(q, k, v, do, causal=causal)[0]
@@ -180,3 +275,21 @@ def test_in_kernel_certificate_matches_the_xla_certificate_on_gpu(causal):
   assert 0.0 < float(stats.certified_fraction) < 1.0 or not causal
   online = attention(q, k, v, causal=causal, stabilizer="online", implementation="pallas_mgpu")
   assert float(jnp.abs(out.astype(jnp.float32) - online.astype(jnp.float32)).max()) < 2e-2
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_packed_kernel_bounds_cover_every_visible_key(causal):
+  """The kernel's packed inputs (segment centres rounded to bf16, radius + rounding slack) bound
+  ‖k_j − c'_i‖ for every row i and every key j it may see, so U stays an upper bound (CPU)."""
+  from clis_kernels import masks, stabilizer
+  _, k, v, _ = random_inputs(13, 1, 256, 2, 2, 64, jnp.bfloat16, key_offset=3.0)
+  seg = packed_segments(13, 1, 256)
+  keys = stabilizer.key_bounds(k, v, seg, causal=causal, tau=64.0, block_q=64, seq_len=256)
+  centre, bounds = pallas_mgpu.kernel_key_inputs(keys, packed=True, dtype=jnp.bfloat16, seq=256, tile=64)
+  assert centre.dtype == jnp.bfloat16 and float(bounds[:, :, 3].max()) > 0.0  # rounding did move the centres
+  pos = jnp.arange(256)
+  visible = masks.visible(pos, pos, seg[0], seg[0], causal=causal, kv_len=None)  # [rows, keys]
+  dist = jnp.linalg.norm(k[0].astype(jnp.float32)[None, :] - centre[0].astype(jnp.float32)[:, None], axis=-1)
+  radius = bounds[0, :, 0].T  # [rows, Hkv]
+  real = (seg[0] != 0)[:, None, None]
+  assert bool(jnp.all(jnp.where(visible[..., None] & real, dist <= radius[:, None, :] + 1e-4, True)))

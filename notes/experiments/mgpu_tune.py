@@ -1,11 +1,14 @@
-"""H200 sweep: tiles of the Mosaic GPU forward (block_kv, slots), certified vs online loop.
+"""H200 sweep: tiles of the Mosaic GPU forward (block_kv, slots, pingpong), certified vs online loop.
 
-For each case and each BlockSizes(block_kv, slots) that fits in shared memory, times the kernel
+Round 3 swept (block_kv, slots); round 5 adds pingpong=False (no schedule barrier: both compute
+warpgroups issue wgmma when ready), whose fixed loop has a short softmax that may not need the turns,
+and overlap=True (the certified loop issues block i+1's Q·Kᵀ before block i's exp2).
+For each case and each BlockSizes that fits in shared memory, times the kernel
 alone with the XLA certificate (clis) and without (online), all interleaved in one run; prints each
 config's output difference from the default online kernel's. The tuned ratio is
 best clis / best online (each loop gets its own best tiles).
 
-  python notes/experiments/mgpu_tune.py --out $OUT/mgpu_tune.json
+  python notes/experiments/mgpu_tune.py --out $OUT/mgpu_tune.json      # from the repository root
 """
 
 from __future__ import annotations
@@ -18,10 +21,12 @@ import jax.numpy as jnp
 
 from clis_kernels import pallas_mgpu, stabilizer
 from clis_train import benchmarking
-from mgpu_variants import case_inputs  # same inputs as the variants runs (run from notes/experiments/)
+from notes.experiments.mgpu_variants import case_inputs  # same inputs as the variants runs
 
 CASES = {"bidir_S32768_H12": (32768, 12, 12, False), "causal_S8192_H32_8": (8192, 32, 8, True)}
-CONFIGS = [(128, 2), (64, 2), (64, 3), (64, 4)]
+# (block_kv, slots, pingpong, overlap); overlap applies to the certified loop only
+CONFIGS = [(128, 2, True, False), (64, 2, True, False), (64, 3, True, False), (128, 2, False, False),
+           (64, 3, False, False), (128, 2, False, True), (64, 2, False, True), (64, 3, False, True)]
 
 
 def main():
@@ -37,12 +42,14 @@ def main():
     cert = jax.jit(lambda q, k, v: stabilizer.certify(q, k, v, None, causal=causal, scale=scale, tau=64.0,
                                                       granularity="tile", block_q=64, seq_len=s))(q, k, v)
     fns, outs = {}, {}
-    for bkv, slots in CONFIGS:
-      bs = pallas_mgpu.BlockSizes(block_kv=bkv, slots=slots)
+    for bkv, slots, pingpong, overlap in CONFIGS:
+      bs = pallas_mgpu.BlockSizes(block_kv=bkv, slots=slots, pingpong=pingpong, overlap=overlap)
       for name, c in (("clis", cert), ("online", None)):
+        if overlap and name == "online":  # the online loop ignores overlap
+          continue
         f = jax.jit(lambda q, k, v, c, bs=bs: pallas_mgpu.forward(q, k, v, None, c, causal=causal, scale=scale,
                                                                   kv_len=None, block_sizes=bs)[0])
-        key = f"{name}_kv{bkv}_s{slots}"
+        key = f"{name}_kv{bkv}_s{slots}{'' if pingpong else '_nopp'}{'_ovl' if overlap else ''}"
         try:
           outs[key] = f(q, k, v, c).astype(jnp.float32)
           fns[key] = lambda f=f, c=c: f(q, k, v, c)

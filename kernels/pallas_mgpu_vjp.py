@@ -1,0 +1,355 @@
+"""CLiS attention backward as Pallas Mosaic GPU kernels (Hopper: wgmma, TMA, warp specialisation).
+
+The backward has no stabilizer: P = 2^(σ₂·q·kᵀ − lse) from the forward's base-2 lse (DESIGN §1.5),
+so one backward serves the certified and the online loop. dS = P ∘ (dO·Vᵀ − Δ) with
+Δ = rowsum(dO ∘ O) (one XLA pass). Two kernels; in each, a CTA runs two compute warpgroups that
+own 64 rows apiece and one memory warpgroup that streams the other side's blocks through `slots`
+shared-memory buffers with TMA (as pallas_mgpu's forward, without the ping-pong):
+  dq:  rows = queries; streams K and V blocks.                        dQ = σ·Σ dS·K
+  dkv: rows = keys; streams Q, dO, lse and Δ blocks of every query head of the kv head's group
+       (GQA sums dK and dV in registers).                             dV = Σ Pᵀ·dO, dK = σ·Σ dSᵀ·Q
+Causal loops visit only the blocks on or below the diagonal (masks.py's ranges) and mask only the
+blocks that straddle it. A warpgroup whose rows need fewer blocks than its CTA streams still waits
+for each of them and releases it, so no buffer is refilled while the other warpgroup reads it.
+Layouts as the forward's: q, dO [B, S, Hq, D], k, v [B, S, Hkv, D], lse [B, Hq, S] f32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from clis_kernels import masks
+from clis_kernels.mgpu_pipeline import COMPUTE_WARPGROUPS, stream_blocks, swizzled
+from clis_kernels.common import out_struct
+from clis_kernels.stabilizer import LOG2E
+
+ROWS = 64  # rows per compute warpgroup (one wgmma M tile), and the streamed block in both kernels
+ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a [64, N] wgmma tile
+COL = plgpu.Layout.WGMMA.reduce(0)  # one value per column
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Tunables of the Mosaic GPU backward: `slots` streamed blocks in flight (shared-memory buffers)."""
+
+  slots: int = 2
+
+  def __post_init__(self):
+    if self.slots < 2:
+      raise ValueError(f"{self.slots=} must be at least 2 (one block computing while the next loads)")
+
+  @property
+  def multiple(self) -> int:
+    return COMPUTE_WARPGROUPS * ROWS
+
+
+def _masked(s, row_pos, col_pos, row_ids, col_ids, *, causal_rows_are_queries, causal, kv_len, masked):
+  """s with −inf where a column is invisible to a row. Segment ids apply at every step; the causal
+  and kv_len masks only where the caller says the block straddles them."""
+  if row_ids is not None:
+    same = lax.broadcast_in_dim(row_ids, s.shape, [0]) == lax.broadcast_in_dim(col_ids, s.shape, [1])
+    s = jnp.where(same, s, -jnp.inf)
+  if masked:
+    rows = row_pos + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
+    cols = col_pos + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+    if causal:
+      s = jnp.where(rows >= cols if causal_rows_are_queries else cols >= rows, s, -jnp.inf)
+    else:
+      s = jnp.where(cols < kv_len, s, -jnp.inf)
+  return s
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, sigma2, scale, slots, kv_len,
+               group, has_segments):
+  qseg_ref = kseg_ref = None
+  if has_segments:
+    (qseg_ref, kseg_ref), refs = refs[:2], refs[2:]
+  (dq_ref,) = refs
+  dtype, head_dim = q_ref.dtype, q_ref.shape[-1]
+  num_kv_blocks = k_ref.shape[1] // ROWS
+  num_q_tiles = q_ref.shape[1] // (COMPUTE_WARPGROUPS * ROWS)
+  batch, head = lax.axis_index("batch"), lax.axis_index("heads")
+  q_tile = num_q_tiles - 1 - lax.axis_index("q_tiles") if causal else lax.axis_index("q_tiles")
+  cta_row0 = q_tile * (COMPUTE_WARPGROUPS * ROWS)
+  kv_head = lax.div(head, jnp.int32(group))
+
+  def kv_range(row0, rows):
+    if causal:
+      return masks.causal_kv_blocks(lax.div(row0, jnp.int32(rows)), block_q=rows, block_k=ROWS,
+                                    num_kv_blocks=num_kv_blocks, div=lax.div)
+    return masks.bidirectional_kv_blocks(kv_len=kv_len, block_k=ROWS, num_kv_blocks=num_kv_blocks)
+
+  _, cta_blocks = kv_range(cta_row0, COMPUTE_WARPGROUPS * ROWS)
+
+  def body(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, q_ready, do_ready, lse_ready, delta_ready,
+           k_ready, v_ready, free, *seg_scratch):
+    wg = lax.axis_index("wg")
+    qseg_smem, kseg_smem, qseg_ready, kseg_ready = seg_scratch if has_segments else (None,) * 4
+
+    @pl.when(wg < COMPUTE_WARPGROUPS)
+    def _compute():
+      plgpu.set_max_registers(232, action="increase")
+      row0 = cta_row0 + wg * ROWS
+      full, total = kv_range(row0, ROWS)
+      rows = pl.ds(row0, ROWS)
+      plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_smem.at[wg], q_ready.at[wg])
+      plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, head], do_smem.at[wg], do_ready.at[wg])
+      plgpu.copy_gmem_to_smem(lse_ref.at[batch, head, rows], lse_smem.at[wg], lse_ready.at[wg])
+      plgpu.copy_gmem_to_smem(delta_ref.at[batch, head, rows], delta_smem.at[wg], delta_ready.at[wg])
+      q_ids = None
+      if has_segments:
+        plgpu.copy_gmem_to_smem(qseg_ref.at[batch, rows], qseg_smem.at[wg], qseg_ready.at[wg])
+        plgpu.barrier_wait(qseg_ready.at[wg])
+        q_ids = plgpu.load(qseg_smem.at[wg], layout=ROW)
+      for barrier in (q_ready, do_ready, lse_ready, delta_ready):
+        plgpu.barrier_wait(barrier.at[wg])
+      lse, delta = plgpu.load(lse_smem.at[wg], layout=ROW), plgpu.load(delta_smem.at[wg], layout=ROW)
+      rows_of = lambda x: lax.broadcast_in_dim(x, (ROWS, ROWS), [0])
+
+      def step(i, acc, masked: bool):
+        slot = lax.rem(i, jnp.int32(slots))
+        plgpu.barrier_wait(k_ready.at[slot])
+
+        def s_scope(acc_ref):
+          plgpu.wgmma(acc_ref, q_smem.at[wg], k_smem.at[slot].T)
+          return acc_ref[...]
+
+        s = pl.run_scoped(s_scope, plgpu.ACC((ROWS, ROWS), jnp.float32))
+        k_ids = None
+        if has_segments:
+          plgpu.barrier_wait(kseg_ready.at[slot])
+          k_ids = plgpu.load(kseg_smem.at[slot], layout=COL)
+        s = _masked(s, row0, i * ROWS, q_ids, k_ids, causal_rows_are_queries=True, causal=causal, kv_len=kv_len,
+                    masked=masked)
+        p = jnp.exp2(s * sigma2 - rows_of(lse))
+        plgpu.barrier_wait(v_ready.at[slot])
+
+        def dp_scope(acc_ref):
+          plgpu.wgmma(acc_ref, do_smem.at[wg], v_smem.at[slot].T)
+          return acc_ref[...]
+
+        ds = p * (pl.run_scoped(dp_scope, plgpu.ACC((ROWS, ROWS), jnp.float32)) - rows_of(delta))
+
+        def dq_update(acc_ref):
+          plgpu.wgmma(acc_ref, ds.astype(dtype), k_smem.at[slot])
+
+        acc = pl.run_state(dq_update)(plgpu.ACC.init(acc))
+        plgpu.barrier_arrive(free.at[slot])
+        return acc
+
+      def release(i, _):  # a block of the CTA's range that these rows do not see
+        slot = lax.rem(i, jnp.int32(slots))
+        for barrier in (k_ready, v_ready) + ((kseg_ready,) if has_segments else ()):
+          plgpu.barrier_wait(barrier.at[slot])
+        plgpu.barrier_arrive(free.at[slot])
+
+      acc = plgpu.layout_cast(jnp.zeros((ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+      acc = lax.fori_loop(0, full, functools.partial(step, masked=False), acc)
+      if causal or kv_len is not None:
+        acc = lax.fori_loop(full, total, functools.partial(step, masked=True), acc)
+      if causal:
+        lax.fori_loop(total, cta_blocks, release, None)
+      q_smem.at[wg][...] = (acc * scale).astype(dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(q_smem.at[wg], dq_ref.at[batch, rows, head])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == COMPUTE_WARPGROUPS)
+    def _memory():
+      plgpu.set_max_registers(40, action="decrease")
+
+      def load(block, slot):
+        where = (batch, pl.ds(block * ROWS, ROWS), kv_head)
+        plgpu.copy_gmem_to_smem(k_ref.at[where], k_smem.at[slot], k_ready.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[where], v_smem.at[slot], v_ready.at[slot])
+        if has_segments:
+          plgpu.copy_gmem_to_smem(kseg_ref.at[batch, pl.ds(block * ROWS, ROWS)], kseg_smem.at[slot],
+                                  kseg_ready.at[slot])
+
+      stream_blocks(load, num_blocks=cta_blocks, slots=slots, free=(free,))
+
+  per_wg = lambda: plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS)
+  per_slot = lambda: plgpu.Barrier(num_barriers=slots)
+  pl.run_scoped(
+      body,
+      plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS, head_dim), dtype, transforms=swizzled()),  # q, then dq
+      plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS, head_dim), dtype, transforms=swizzled()),  # dO
+      plgpu.SMEM((slots, ROWS, head_dim), dtype, transforms=swizzled()),  # k blocks
+      plgpu.SMEM((slots, ROWS, head_dim), dtype, transforms=swizzled()),  # v blocks
+      plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS), jnp.float32),  # lse
+      plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS), jnp.float32),  # Δ
+      per_wg(), per_wg(), per_wg(), per_wg(),  # q, dO, lse, Δ ready
+      per_slot(), per_slot(),  # k, v ready
+      plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=slots),  # slot free
+      *(() if not has_segments else (
+          plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS), jnp.int32), plgpu.SMEM((slots, ROWS), jnp.int32),
+          per_wg(), per_slot())),
+      collective_axes="wg",
+  )
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, sigma2, scale, slots, group,
+                has_segments):
+  qseg_ref = kseg_ref = None
+  if has_segments:
+    (qseg_ref, kseg_ref), refs = refs[:2], refs[2:]
+  dk_ref, dv_ref = refs
+  dtype, head_dim = k_ref.dtype, k_ref.shape[-1]
+  num_q_blocks = q_ref.shape[1] // ROWS
+  batch, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
+  cta_kv0 = lax.axis_index("kv_tiles") * (COMPUTE_WARPGROUPS * ROWS)  # low tiles see the most: they start first
+
+  def q_range(kv0, rows):
+    """(first, first_full): q blocks [first, first_full) straddle the diagonal; all blocks when
+    bidirectional (padded keys need no mask here: their dK, dV rows are cut off by the caller)."""
+    if causal:
+      return masks.causal_q_blocks(lax.div(kv0, jnp.int32(rows)), block_q=ROWS, block_k=rows,
+                                   num_q_blocks=num_q_blocks, div=lax.div)
+    return 0, 0
+
+  cta_first, _ = q_range(cta_kv0, COMPUTE_WARPGROUPS * ROWS)
+  per_head = num_q_blocks - cta_first  # q blocks the CTA streams for each head of the group
+
+  def body(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, k_ready, v_ready, q_ready, do_ready, lse_ready,
+           delta_ready, free, *seg_scratch):
+    wg = lax.axis_index("wg")
+    kseg_smem, qseg_smem, kseg_ready, qseg_ready = seg_scratch if has_segments else (None,) * 4
+
+    @pl.when(wg < COMPUTE_WARPGROUPS)
+    def _compute():
+      plgpu.set_max_registers(232, action="increase")
+      kv0 = cta_kv0 + wg * ROWS
+      first, first_full = q_range(kv0, ROWS)
+      rows = pl.ds(kv0, ROWS)
+      plgpu.copy_gmem_to_smem(k_ref.at[batch, rows, kv_head], k_smem.at[wg], k_ready.at[wg])
+      plgpu.copy_gmem_to_smem(v_ref.at[batch, rows, kv_head], v_smem.at[wg], v_ready.at[wg])
+      k_ids = None
+      if has_segments:
+        plgpu.copy_gmem_to_smem(kseg_ref.at[batch, rows], kseg_smem.at[wg], kseg_ready.at[wg])
+        plgpu.barrier_wait(kseg_ready.at[wg])
+        k_ids = plgpu.load(kseg_smem.at[wg], layout=ROW)
+      plgpu.barrier_wait(k_ready.at[wg])
+      plgpu.barrier_wait(v_ready.at[wg])
+
+      def wait_block(slot):
+        for barrier in (q_ready, do_ready, lse_ready, delta_ready) + ((qseg_ready,) if has_segments else ()):
+          plgpu.barrier_wait(barrier.at[slot])
+
+      def step(j, carry, g, masked: bool):
+        """q block j of group head g; the stream's step i counts from the CTA's first block."""
+        dk, dv = carry
+        slot = lax.rem(g * per_head + j - cta_first, jnp.int32(slots))
+        wait_block(slot)
+
+        def s_scope(acc_ref):  # sᵀ: keys × queries
+          plgpu.wgmma(acc_ref, k_smem.at[wg], q_smem.at[slot].T)
+          return acc_ref[...]
+
+        s = pl.run_scoped(s_scope, plgpu.ACC((ROWS, ROWS), jnp.float32))
+        q_ids = None if not has_segments else plgpu.load(qseg_smem.at[slot], layout=COL)
+        s = _masked(s, kv0, j * ROWS, k_ids, q_ids, causal_rows_are_queries=False, causal=causal, kv_len=None,
+                    masked=masked)
+        lse = lax.broadcast_in_dim(plgpu.load(lse_smem.at[slot], layout=COL), s.shape, [1])
+        delta = lax.broadcast_in_dim(plgpu.load(delta_smem.at[slot], layout=COL), s.shape, [1])
+        p = jnp.exp2(s * sigma2 - lse)
+
+        def dp_scope(acc_ref):  # dPᵀ = V·dOᵀ
+          plgpu.wgmma(acc_ref, v_smem.at[wg], do_smem.at[slot].T)
+          return acc_ref[...]
+
+        ds = p * (pl.run_scoped(dp_scope, plgpu.ACC((ROWS, ROWS), jnp.float32)) - delta)
+
+        def update(refs):
+          dk_ref_, dv_ref_ = refs
+          plgpu.wgmma(dv_ref_, p.astype(dtype), do_smem.at[slot])
+          plgpu.wgmma(dk_ref_, ds.astype(dtype), q_smem.at[slot])
+
+        dk, dv = pl.run_state(update)((plgpu.ACC.init(dk), plgpu.ACC.init(dv)))
+        plgpu.barrier_arrive(free.at[slot])
+        return dk, dv
+
+      def release(j, _, g):  # a streamed block above these rows' diagonal
+        slot = lax.rem(g * per_head + j - cta_first, jnp.int32(slots))
+        wait_block(slot)
+        plgpu.barrier_arrive(free.at[slot])
+
+      def head_loop(g, carry):
+        if causal:
+          lax.fori_loop(cta_first, first, functools.partial(release, g=g), None)
+          carry = lax.fori_loop(first, first_full, functools.partial(step, g=g, masked=True), carry)
+          return lax.fori_loop(first_full, num_q_blocks, functools.partial(step, g=g, masked=False), carry)
+        return lax.fori_loop(0, num_q_blocks, functools.partial(step, g=g, masked=False), carry)
+
+      zeros = plgpu.layout_cast(jnp.zeros((ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+      dk, dv = lax.fori_loop(0, group, head_loop, (zeros, zeros))
+      k_smem.at[wg][...] = (dk * scale).astype(dtype)
+      v_smem.at[wg][...] = dv.astype(dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(k_smem.at[wg], dk_ref.at[batch, rows, kv_head])
+      plgpu.copy_smem_to_gmem(v_smem.at[wg], dv_ref.at[batch, rows, kv_head])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == COMPUTE_WARPGROUPS)
+    def _memory():
+      plgpu.set_max_registers(40, action="decrease")
+
+      def load(i, slot):
+        head = kv_head * group + lax.div(i, per_head)
+        rows = pl.ds((cta_first + lax.rem(i, per_head)) * ROWS, ROWS)
+        plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_smem.at[slot], q_ready.at[slot])
+        plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, head], do_smem.at[slot], do_ready.at[slot])
+        plgpu.copy_gmem_to_smem(lse_ref.at[batch, head, rows], lse_smem.at[slot], lse_ready.at[slot])
+        plgpu.copy_gmem_to_smem(delta_ref.at[batch, head, rows], delta_smem.at[slot], delta_ready.at[slot])
+        if has_segments:
+          plgpu.copy_gmem_to_smem(qseg_ref.at[batch, rows], qseg_smem.at[slot], qseg_ready.at[slot])
+
+      stream_blocks(load, num_blocks=group * per_head, slots=slots, free=(free,))
+
+  per_wg = lambda: plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS)
+  per_slot = lambda: plgpu.Barrier(num_barriers=slots)
+  pl.run_scoped(
+      body,
+      plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS, head_dim), dtype, transforms=swizzled()),  # k, then dk
+      plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS, head_dim), dtype, transforms=swizzled()),  # v, then dv
+      plgpu.SMEM((slots, ROWS, head_dim), dtype, transforms=swizzled()),  # q blocks
+      plgpu.SMEM((slots, ROWS, head_dim), dtype, transforms=swizzled()),  # dO blocks
+      plgpu.SMEM((slots, ROWS), jnp.float32),  # lse blocks
+      plgpu.SMEM((slots, ROWS), jnp.float32),  # Δ blocks
+      per_wg(), per_wg(),  # k, v ready
+      per_slot(), per_slot(), per_slot(), per_slot(),  # q, dO, lse, Δ ready
+      plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=slots),  # slot free
+      *(() if not has_segments else (
+          plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS), jnp.int32), plgpu.SMEM((slots, ROWS), jnp.int32),
+          per_wg(), per_slot())),
+      collective_axes="wg",
+  )
+
+
+def backward(q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_sizes: BlockSizes):
+  """Returns (dq, dk, dv) shaped like q, k, v; sequence lengths a multiple of block_sizes.multiple."""
+  batch, seq, num_heads, _ = q.shape
+  num_kv_heads = k.shape[2]
+  if seq % block_sizes.multiple:
+    raise ValueError(f"{block_sizes.multiple=} must divide the padded length {seq=}")
+  delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32))
+  args = [q, k, v, do, lse, delta]
+  if segment_ids is not None:  # key id 0 (padding) becomes −1, as in the forward
+    args += [segment_ids.astype(jnp.int32), jnp.where(segment_ids == 0, -1, segment_ids).astype(jnp.int32)]
+  common = dict(causal=causal, sigma2=scale * LOG2E, scale=scale, slots=block_sizes.slots,
+                group=num_heads // num_kv_heads, has_segments=segment_ids is not None)
+  tiles = seq // (COMPUTE_WARPGROUPS * ROWS)
+  launch = dict(num_threads=COMPUTE_WARPGROUPS + 1, thread_name="wg",
+                compiler_params=plgpu.CompilerParams(approx_math=True))
+  dq = plgpu.kernel(functools.partial(_dq_kernel, kv_len=kv_len, **common), out_type=out_struct(q.shape, q.dtype, q),
+                    grid=(num_heads, tiles, batch), grid_names=("heads", "q_tiles", "batch"), **launch)(*args)
+  dk, dv = plgpu.kernel(functools.partial(_dkv_kernel, **common),
+                        out_type=(out_struct(k.shape, k.dtype, k), out_struct(v.shape, v.dtype, v)),
+                        grid=(num_kv_heads, tiles, batch), grid_names=("heads", "kv_tiles", "batch"), **launch)(*args)
+  return dq, dk, dv
