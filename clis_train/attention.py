@@ -1,7 +1,8 @@
 """The one place where `attention:` becomes a function the model calls.
 
-clis / online → clis_kernels.attention (the platform's kernel; the reference on CPU);
-clis_mgpu / online_mgpu → the same with the Mosaic GPU forward (Hopper only);
+clis / online → clis_kernels.attention (the platform's kernel: Mosaic GPU on Hopper for bf16/f16,
+Triton on other NVIDIA GPUs, Mosaic TPU on TPUs, the reference on CPU);
+clis_mgpu / online_mgpu → the Mosaic GPU kernels by name (Hopper only; an error elsewhere);
 dot_product → dense XLA under the same segment convention; cudnn → jax.nn's cuDNN
 kernel (NVIDIA only). On a mesh of more than one device the kernel runs under
 `jax.shard_map`, batch over (data, fsdp) and heads over tensor: Pallas kernels are
@@ -33,7 +34,7 @@ def make_attention(name: str, mesh: jax.sharding.Mesh | None, *, granularity: st
   """Returns attend(q, k, v, segment_ids) -> (out [B,S,Hq,D], certified_fraction scalar)."""
   if name in ("clis", "online", "clis_mgpu", "online_mgpu"):
     stabilizer, _, backend = name.partition("_")
-    implementation = "pallas_mgpu" if backend else None  # *_mgpu: the Mosaic GPU forward (Hopper)
+    implementation = "pallas_mgpu" if backend else None  # *_mgpu: the Mosaic GPU kernels (Hopper)
 
     def attend(q, k, v, seg):
       out, stats = clis_attention(q, k, v, seg, causal=True, stabilizer=stabilizer, granularity=granularity,

@@ -97,9 +97,17 @@ def _platform() -> str:
   return jax.devices()[0].platform
 
 
-def _resolve_implementation(implementation, interpret) -> str:
+def _gpu_is_hopper() -> bool:
+  return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9")
+
+
+def _resolve_implementation(implementation, interpret, q) -> str:
   if implementation is None:
-    return _AUTO.get(_platform(), "reference")
+    auto = _AUTO.get(_platform(), "reference")
+    mosaic_ok = q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[-1] in (64, 128)  # pallas_mgpu's limits
+    if auto == "pallas_gpu" and mosaic_ok and _gpu_is_hopper():
+      return "pallas_mgpu"  # the Mosaic GPU kernels: the fastest forward and backward on an H200
+    return auto
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"{implementation=} is not one of {IMPLEMENTATIONS} (or None for automatic)")
   if implementation in BACKENDS and not interpret:
@@ -209,15 +217,16 @@ def attention(q, k, v, segment_ids=None, *, causal=True, scale=None, stabilizer=
   granularity: "tile" (batch, head, q-block) or "head" (batch, head) certification.
   tau: cap on the certified gap U − L between a row's bound and its lower bound, in
     natural-log units (the dtype's own limit h + T from stabilizer.py applies too).
-  implementation: None (TPU → "pallas_tpu", NVIDIA GPU → "pallas_gpu", CPU → "reference"),
-    or one of "pallas_tpu", "pallas_gpu", "pallas_mgpu" (Hopper, bf16/f16, D 64 or 128: the
-    fastest forward on an H200), "reference", "xla".
+  implementation: None (TPU → "pallas_tpu"; NVIDIA Hopper with bf16/f16 and D 64 or 128 →
+    "pallas_mgpu", the fastest forward and backward on an H200; other NVIDIA GPUs or inputs →
+    "pallas_gpu"; CPU → "reference"), or one of "pallas_tpu", "pallas_gpu", "pallas_mgpu",
+    "reference", "xla".
   block_sizes: the backend's BlockSizes dataclass (default: its heuristics).
   interpret: run a Pallas backend in Pallas interpret mode (on the CPU).
   Returns the output shaped like q, and with return_stats=True also an AttentionStats.
   """
   _validate(q, k, v, segment_ids, causal, stabilizer, granularity, tau)
-  impl = _resolve_implementation(implementation, interpret)
+  impl = _resolve_implementation(implementation, interpret, q)
   scale = float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1])
   if impl == "xla":
     if block_sizes is not None:

@@ -176,12 +176,12 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, 
         plgpu.barrier_wait(qseg_ready.at[wg])
         q_ids = plgpu.load(qseg_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
 
-      def certify_here():
-        """(M, certified) of this warpgroup's rows from the K/V pre-pass (stabilizer.row_bounds and
-        stabilize, as the Triton kernel's prologue); the flag goes out per row for the stats.
-        Radius, headroom, threshold and the centre's rounding slack arrive per row through TMA, as
-        M does in "cert" mode. Packed rows each have their segment's centre, rounded to q's dtype:
-        one [block_q, D] buffer serves both warpgroups, which run this one after the other."""
+      def bound_rows():
+        """(M, passes) per row of this warpgroup from the K/V pre-pass (stabilizer.row_bounds and
+        stabilize, as the Triton kernel's prologue). Radius, headroom, threshold and the centre's
+        rounding slack arrive per row through TMA, as M does in "cert" mode. Packed rows each have
+        their segment's centre, rounded to q's dtype: one [block_q, D] buffer serves both
+        warpgroups, so packed warpgroups run this one after the other."""
         plgpu.barrier_wait(bounds_ready.at[wg])
         q = plgpu.load(q_smem, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
         if has_segments:
@@ -206,12 +206,24 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, 
         row_ok = row_ok.astype(jnp.int32)
         if has_segments:  # packed padding rows (id 0) see no key: they pass, as in stabilize()
           row_ok = jnp.maximum(row_ok, (q_ids == 0).astype(jnp.int32))
+        return m, row_ok
+
+      def decide(row_ok):
+        """The tile passes when every row does (a warpgroup-wide min); the flag goes out per row."""
         certified = jnp.min(row_ok)
         flag_smem.at[wg][...] = plgpu.layout_cast(jnp.full((block_q,), certified.astype(jnp.float32)),
                                                   plgpu.Layout.WGMMA.reduce(1))
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(flag_smem.at[wg], flags_ref.at[batch, head, pl.ds(row0, block_q)])
-        return m, certified > 0
+        return certified > 0
+
+      def certify_here():
+        """(M, certified): the rows' bounds in both warpgroups at once, then the two decisions in
+        turn (only the min shares scratch); packed rows share the centre buffer, so in turn too."""
+        if has_segments:
+          return one_warpgroup_at_a_time(lambda: (lambda m, row_ok: (m, decide(row_ok)))(*bound_rows()))
+        m, row_ok = bound_rows()
+        return m, one_warpgroup_at_a_time(lambda: decide(row_ok))
 
       def attend(fixed: bool, m_fixed=None):
         if fixed:  # M is loop-invariant: the loop closes over it and carries (acc, l)
@@ -365,7 +377,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, 
         return m_rows, jnp.min((m_rows < FAILED_TILE_M / 2).astype(jnp.int32)) > 0
 
       if mode in ("cert", "keys"):
-        m_fixed, certified = one_warpgroup_at_a_time(read_certificate if mode == "cert" else certify_here)
+        m_fixed, certified = one_warpgroup_at_a_time(read_certificate) if mode == "cert" else certify_here()
         pl.when(certified)(lambda: attend(True, m_fixed))
         pl.when(jnp.logical_not(certified))(lambda: attend(False))
       else:

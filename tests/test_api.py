@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import f64_reference as ref
 from attention_base import lower_for_h200, random_inputs
-from clis_kernels import attention, pallas_gpu, pallas_tpu, reference
+from clis_kernels import api, attention, pallas_gpu, pallas_tpu, reference
 
 q0 = jnp.zeros((2, 32, 4, 64), jnp.float32)
 kv0 = jnp.zeros((2, 32, 2, 64), jnp.float32)
@@ -60,6 +60,17 @@ def test_cpu_default_is_the_reference_and_matches_xla():
   auto = attention(q, k, v)
   np.testing.assert_array_equal(np.asarray(auto), np.asarray(attention(q, k, v, implementation="reference")))
   np.testing.assert_allclose(np.asarray(auto), np.asarray(attention(q, k, v, implementation="xla")), atol=2e-6)
+
+
+@pytest.mark.parametrize("hopper,dtype,head_dim,want", [
+    (True, jnp.bfloat16, 128, "pallas_mgpu"), (True, jnp.float16, 64, "pallas_mgpu"),
+    (True, jnp.float32, 128, "pallas_gpu"), (True, jnp.bfloat16, 96, "pallas_gpu"),
+    (False, jnp.bfloat16, 128, "pallas_gpu")])
+def test_gpu_default_is_the_mosaic_backend_on_hopper_where_it_applies(monkeypatch, hopper, dtype, head_dim, want):
+  monkeypatch.setattr(api, "_platform", lambda: "gpu")
+  monkeypatch.setattr(api, "_gpu_is_hopper", lambda: hopper)
+  q = jax.ShapeDtypeStruct((1, 128, 4, head_dim), dtype)
+  assert api._resolve_implementation(None, False, q) == want
 
 
 def test_xla_path_follows_the_segment_convention():

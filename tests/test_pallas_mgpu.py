@@ -236,6 +236,21 @@ def test_packed_in_kernel_certificate_is_never_looser_than_xla_on_gpu(causal):
 
 
 @needs_gpu
+def test_default_on_hopper_is_this_backend_on_gpu():
+  """implementation=None takes the Mosaic GPU kernels for bf16 (forward and gradients bit for bit), Triton for f32."""
+  q, k, v, do = random_inputs(5, 1, 512, 4, 2, 128, jnp.bfloat16)
+  loss = lambda impl: lambda q, k, v: jnp.vdot(attention(q, k, v, implementation=impl).astype(jnp.float32),
+                                               do.astype(jnp.float32))
+  for got, want in zip(jax.value_and_grad(loss(None), argnums=(0, 1, 2))(q, k, v),
+                       jax.value_and_grad(loss("pallas_mgpu"), argnums=(0, 1, 2))(q, k, v)):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+  q32, k32, v32 = (x.astype(jnp.float32) for x in (q, k, v))
+  np.testing.assert_array_equal(np.asarray(attention(q32, k32, v32)),
+                                np.asarray(attention(q32, k32, v32, implementation="pallas_gpu")))
+
+
+@needs_gpu
 def test_matches_the_triton_backend_on_gpu():
   q, k, v, _ = random_inputs(7, 1, 2048, 8, 2, 128, jnp.bfloat16)
   for causal in (True, False):
