@@ -1,6 +1,6 @@
 """What the Mosaic GPU kernels (pallas_mgpu.py, pallas_mgpu_vjp.py) share: two compute warpgroups
-and one memory warpgroup per CTA, and the memory warpgroup's loop that streams blocks through
-shared-memory slots."""
+and one memory warpgroup per CTA, and the memory warpgroup's loops that stream blocks (K and V
+blocks, in stream_kv) through shared-memory slots."""
 
 from __future__ import annotations
 
@@ -32,3 +32,17 @@ def stream_blocks(load, *, num_blocks, slots: int, free):
     for barrier in free:
       plgpu.barrier_wait(barrier.at[slot])
     load(block, slot)
+
+
+def stream_kv(k_ref, v_ref, kseg_ref, k_smem, v_smem, kseg_smem, k_ready, v_ready, kseg_ready, *, batch, kv_head,
+              block_kv: int, num_blocks, slots: int, free):
+  """stream_blocks for the K and V blocks of one (batch, kv head), and their key segment ids when
+  packed (kseg_ref not None): block i is keys [i·block_kv, (i+1)·block_kv)."""
+  def load(block, slot):
+    keys = pl.ds(block * block_kv, block_kv)
+    plgpu.copy_gmem_to_smem(k_ref.at[batch, keys, kv_head], k_smem.at[slot], k_ready.at[slot])
+    plgpu.copy_gmem_to_smem(v_ref.at[batch, keys, kv_head], v_smem.at[slot], v_ready.at[slot])
+    if kseg_ref is not None:
+      plgpu.copy_gmem_to_smem(kseg_ref.at[batch, keys], kseg_smem.at[slot], kseg_ready.at[slot])
+
+  stream_blocks(load, num_blocks=num_blocks, slots=slots, free=free)

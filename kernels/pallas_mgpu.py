@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from clis_kernels import masks, pallas_gpu, pallas_gpu_vjp, pallas_mgpu_vjp
-from clis_kernels.mgpu_pipeline import COMPUTE_WARPGROUPS, stream_blocks, swizzled
+from clis_kernels.mgpu_pipeline import COMPUTE_WARPGROUPS, stream_kv, swizzled
 from clis_kernels.common import out_struct
 from clis_kernels.stabilizer import EMPTY_LSE, LOG2E, Certificate, KeyBounds, row_bounds, stabilize
 
@@ -387,15 +387,8 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, 
     def _memory():
       plgpu.set_max_registers(40, action="decrease")
 
-      def load(block, slot):
-        where = (batch, pl.ds(block * block_kv, block_kv), kv_head)
-        plgpu.copy_gmem_to_smem(k_ref.at[where], k_smem.at[slot], k_ready.at[slot])
-        plgpu.copy_gmem_to_smem(v_ref.at[where], v_smem.at[slot], v_ready.at[slot])
-        if has_segments:
-          plgpu.copy_gmem_to_smem(kseg_ref.at[batch, pl.ds(block * block_kv, block_kv)], kseg_smem.at[slot],
-                                  kseg_ready.at[slot])
-
-      stream_blocks(load, num_blocks=cta_blocks, slots=slots, free=(k_free, v_free))
+      stream_kv(k_ref, v_ref, kseg_ref, k_smem, v_smem, kseg_smem, k_ready, v_ready, kseg_ready, batch=batch,
+                kv_head=kv_head, block_kv=block_kv, num_blocks=cta_blocks, slots=slots, free=(k_free, v_free))
 
   pl.run_scoped(
       body,

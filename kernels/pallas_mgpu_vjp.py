@@ -26,7 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from clis_kernels import masks
-from clis_kernels.mgpu_pipeline import COMPUTE_WARPGROUPS, stream_blocks, swizzled
+from clis_kernels.mgpu_pipeline import COMPUTE_WARPGROUPS, stream_blocks, stream_kv, swizzled
 from clis_kernels.common import out_struct
 from clis_kernels.stabilizer import LOG2E
 
@@ -165,15 +165,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, s
     def _memory():
       plgpu.set_max_registers(40, action="decrease")
 
-      def load(block, slot):
-        where = (batch, pl.ds(block * ROWS, ROWS), kv_head)
-        plgpu.copy_gmem_to_smem(k_ref.at[where], k_smem.at[slot], k_ready.at[slot])
-        plgpu.copy_gmem_to_smem(v_ref.at[where], v_smem.at[slot], v_ready.at[slot])
-        if has_segments:
-          plgpu.copy_gmem_to_smem(kseg_ref.at[batch, pl.ds(block * ROWS, ROWS)], kseg_smem.at[slot],
-                                  kseg_ready.at[slot])
-
-      stream_blocks(load, num_blocks=cta_blocks, slots=slots, free=(free,))
+      stream_kv(k_ref, v_ref, kseg_ref, k_smem, v_smem, kseg_smem, k_ready, v_ready, kseg_ready, batch=batch,
+                kv_head=kv_head, block_kv=ROWS, num_blocks=cta_blocks, slots=slots, free=(free,))
 
   per_wg = lambda: plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS)
   per_slot = lambda: plgpu.Barrier(num_barriers=slots)
