@@ -1,6 +1,7 @@
 """What the Mosaic GPU kernels (pallas_mgpu.py, pallas_mgpu_vjp.py) share: two compute warpgroups
-and one memory warpgroup per CTA, and the memory warpgroup's loops that stream blocks (K and V
-blocks, in stream_kv) through shared-memory slots."""
+and one memory warpgroup per CTA, which query rows a CTA owns and which KV blocks they visit, and
+the memory warpgroup's loops that stream blocks (K and V blocks, in stream_kv) through shared-memory
+slots."""
 
 from __future__ import annotations
 
@@ -11,12 +12,31 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from clis_kernels import masks
+
 COMPUTE_WARPGROUPS = 2
 
 
 def swizzled():
   """Shared-memory transforms for [rows, D] tiles of 16-bit values that wgmma and TMA read."""
   return plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
+
+
+def cta_first_row(seq: int, rows: int, *, causal: bool):
+  """First query row of this CTA (grid axis "q_tiles"; each compute warpgroup owns `rows` rows).
+  Causal q tiles run last-first, so the ones with the longest KV ranges start early."""
+  num_tiles = seq // (COMPUTE_WARPGROUPS * rows)
+  tile = num_tiles - 1 - lax.axis_index("q_tiles") if causal else lax.axis_index("q_tiles")
+  return tile * (COMPUTE_WARPGROUPS * rows)
+
+
+def kv_blocks(row0, rows, *, causal: bool, block_kv: int, num_kv_blocks: int, kv_len):
+  """(unmasked, total) KV blocks for query rows [row0, row0 + rows) (masks.py's ranges; python ints
+  when not causal, so those loops get static bounds)."""
+  if causal:
+    return masks.causal_kv_blocks(lax.div(row0, jnp.int32(rows)), block_q=rows, block_k=block_kv,
+                                  num_kv_blocks=num_kv_blocks, div=lax.div)
+  return masks.bidirectional_kv_blocks(kv_len=kv_len, block_k=block_kv, num_kv_blocks=num_kv_blocks)
 
 
 def stream_blocks(load, *, num_blocks, slots: int, free):

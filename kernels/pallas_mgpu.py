@@ -33,8 +33,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from clis_kernels import masks, pallas_gpu, pallas_gpu_vjp, pallas_mgpu_vjp
-from clis_kernels.mgpu_pipeline import COMPUTE_WARPGROUPS, stream_kv, swizzled
+from clis_kernels import pallas_gpu, pallas_gpu_vjp, pallas_mgpu_vjp
+from clis_kernels.mgpu_pipeline import COMPUTE_WARPGROUPS, cta_first_row, kv_blocks, stream_kv, swizzled
 from clis_kernels.common import out_struct
 from clis_kernels.stabilizer import EMPTY_LSE, LOG2E, Certificate, KeyBounds, row_bounds, stabilize
 
@@ -119,20 +119,10 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, 
   else:
     o_ref, lse_ref = refs
   dtype, head_dim = q_ref.dtype, q_ref.shape[-1]
-  num_kv_blocks = k_ref.shape[1] // block_kv
-  num_q_tiles = q_ref.shape[1] // (COMPUTE_WARPGROUPS * block_q)
   batch, head = lax.axis_index("batch"), lax.axis_index("heads")
-  q_tile = num_q_tiles - 1 - lax.axis_index("q_tiles") if causal else lax.axis_index("q_tiles")
-  cta_row0 = q_tile * (COMPUTE_WARPGROUPS * block_q)
-
-  def kv_range(row0, rows):
-    """(unmasked, total) kv blocks for query rows [row0, row0 + rows) (masks.py's ranges; python
-    ints when not causal, so those loops get static bounds)."""
-    if causal:
-      return masks.causal_kv_blocks(lax.div(row0, jnp.int32(rows)), block_q=rows, block_k=block_kv,
-                                    num_kv_blocks=num_kv_blocks, div=lax.div)
-    return masks.bidirectional_kv_blocks(kv_len=kv_len, block_k=block_kv, num_kv_blocks=num_kv_blocks)
-
+  cta_row0 = cta_first_row(q_ref.shape[1], block_q, causal=causal)
+  kv_range = functools.partial(kv_blocks, causal=causal, block_kv=block_kv, num_kv_blocks=k_ref.shape[1] // block_kv,
+                               kv_len=kv_len)
   _, cta_blocks = kv_range(cta_row0, COMPUTE_WARPGROUPS * block_q)  # what the memory warpgroup loads
 
   def body(qo_smem, k_smem, v_smem, row_smem, k_ready, v_ready, q_ready, m_ready, k_free, v_free, schedule,

@@ -26,7 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from clis_kernels import masks
-from clis_kernels.mgpu_pipeline import COMPUTE_WARPGROUPS, stream_blocks, stream_kv, swizzled
+from clis_kernels.mgpu_pipeline import COMPUTE_WARPGROUPS, cta_first_row, kv_blocks, stream_blocks, stream_kv, swizzled
 from clis_kernels.common import out_struct
 from clis_kernels.stabilizer import LOG2E
 
@@ -73,19 +73,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, s
     (qseg_ref, kseg_ref), refs = refs[:2], refs[2:]
   (dq_ref,) = refs
   dtype, head_dim = q_ref.dtype, q_ref.shape[-1]
-  num_kv_blocks = k_ref.shape[1] // ROWS
-  num_q_tiles = q_ref.shape[1] // (COMPUTE_WARPGROUPS * ROWS)
   batch, head = lax.axis_index("batch"), lax.axis_index("heads")
-  q_tile = num_q_tiles - 1 - lax.axis_index("q_tiles") if causal else lax.axis_index("q_tiles")
-  cta_row0 = q_tile * (COMPUTE_WARPGROUPS * ROWS)
+  cta_row0 = cta_first_row(q_ref.shape[1], ROWS, causal=causal)
   kv_head = lax.div(head, jnp.int32(group))
-
-  def kv_range(row0, rows):
-    if causal:
-      return masks.causal_kv_blocks(lax.div(row0, jnp.int32(rows)), block_q=rows, block_k=ROWS,
-                                    num_kv_blocks=num_kv_blocks, div=lax.div)
-    return masks.bidirectional_kv_blocks(kv_len=kv_len, block_k=ROWS, num_kv_blocks=num_kv_blocks)
-
+  kv_range = functools.partial(kv_blocks, causal=causal, block_kv=ROWS, num_kv_blocks=k_ref.shape[1] // ROWS,
+                               kv_len=kv_len)
   _, cta_blocks = kv_range(cta_row0, COMPUTE_WARPGROUPS * ROWS)
 
   def body(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, q_ready, do_ready, lse_ready, delta_ready,
