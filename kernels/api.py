@@ -104,9 +104,10 @@ def _gpu_is_hopper() -> bool:
 def _resolve_implementation(implementation, interpret, q) -> str:
   if implementation is None:
     auto = _AUTO.get(_platform(), "reference")
-    mosaic_ok = q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[-1] in (64, 128)  # pallas_mgpu's limits
-    if auto == "pallas_gpu" and mosaic_ok and _gpu_is_hopper():
-      return "pallas_mgpu"  # the Mosaic GPU kernels: the fastest forward and backward on an H200
+    if auto == "pallas_gpu" and _gpu_is_hopper():
+      from clis_kernels import pallas_mgpu
+      if pallas_mgpu.supports(q.dtype, q.shape[-1]):
+        return "pallas_mgpu"  # the Mosaic GPU kernels: the fastest forward and backward on an H200
     return auto
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"{implementation=} is not one of {IMPLEMENTATIONS} (or None for automatic)")

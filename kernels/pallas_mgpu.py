@@ -39,6 +39,7 @@ from clis_kernels.common import out_struct
 from clis_kernels.stabilizer import EMPTY_LSE, LOG2E, Certificate, KeyBounds, row_bounds, stabilize
 
 HEAD_DIMS = (64, 128)
+DTYPES = (jnp.bfloat16, jnp.float16)
 FAILED_TILE_M = 1e30  # M sent for rows of a tile the XLA certificate failed (real M are far smaller)
 ONLINE_FLOOR = -1e20  # the online loop's starting max (base 2): below any real logit
 
@@ -92,11 +93,16 @@ def default_block_sizes(head_dim: int, seq_len: int, dtype) -> BlockSizes:
   return BlockSizes()
 
 
+def supports(dtype, head_dim: int) -> bool:
+  """Whether these kernels take inputs of this dtype and head dim (the API's default asks)."""
+  return dtype in DTYPES and head_dim in HEAD_DIMS
+
+
 def _check(q, k, cert, scale, interpret):
   if interpret:
     raise ValueError("implementation='pallas_mgpu' has no interpret mode; use implementation='pallas_gpu' "
                      "with interpret=True to run the GPU kernels on a CPU")
-  if q.dtype not in (jnp.bfloat16, jnp.float16):
+  if q.dtype not in DTYPES:
     raise ValueError(f"implementation='pallas_mgpu' needs bfloat16 or float16 inputs; got {q.dtype=} "
                      "(use implementation='pallas_gpu' for float32)")
   if q.shape[-1] not in HEAD_DIMS:

@@ -117,10 +117,10 @@ def implementations(names, platform, quick):
   if quick or platform == "gpu":
     table["clis_kernel"] = functools.partial(_clis_kernel, quick=quick)
   if platform == "gpu":  # clis / online above are the default (Mosaic GPU on Hopper); these name the kernels
-    for stab in ("clis", "online"):
-      table[f"{stab}_triton"] = functools.partial(
-          lambda q, k, v, seg, causal, stab: attention(q, k, v, seg, causal=causal, stabilizer=stab,
-                                                       implementation="pallas_gpu"), stab=stab)
+    table["clis_triton"] = lambda q, k, v, seg, causal: attention(q, k, v, seg, causal=causal, stabilizer="clis",
+                                                                  implementation="pallas_gpu")
+    table["online_triton"] = lambda q, k, v, seg, causal: attention(q, k, v, seg, causal=causal,
+                                                                    stabilizer="online", implementation="pallas_gpu")
     table["clis_mgpu"] = lambda q, k, v, seg, causal: attention(q, k, v, seg, causal=causal, stabilizer="clis",
                                                                 implementation="pallas_mgpu")
     table["online_mgpu"] = lambda q, k, v, seg, causal: attention(q, k, v, seg, causal=causal, stabilizer="online",
