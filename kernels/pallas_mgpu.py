@@ -7,7 +7,7 @@ memory buffers with TMA. The two compute warpgroups take turns on the tensor cor
 
 Each compute warpgroup certifies its block_q rows in its prologue from the q tile it has loaded
 and the K/V pre-pass (stabilizer.key_bounds → row_bounds → stabilize; no pass over q outside the
-kernel; packed rows against their segment's centre), or reads the XLA certificate
+kernel; bidirectional packed rows against their segment's centre), or reads the XLA certificate
 (granularity="head"), and runs one of two loops over the KV blocks:
   certified: p = 2^(σ₂·q·kᵀ − M) with the row's fixed M; no row max, no rescale of acc and l.
              l sums the weights before they are rounded for P·V, as the online path does: the
@@ -114,7 +114,8 @@ def _check(q, k, cert, scale, interpret):
 
 
 def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, block_q: int, block_kv: int,
-            slots: int, kv_len: int | None, group: int, has_segments: bool, pingpong: bool, overlap: bool):
+            slots: int, kv_len: int | None, group: int, has_segments: bool, row_centres: bool, pingpong: bool,
+            overlap: bool):
   m_ref = centre_ref = bounds_ref = flags_ref = qseg_ref = kseg_ref = None
   if has_segments:
     (qseg_ref, kseg_ref), refs = refs[:2], refs[2:]
@@ -157,7 +158,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, 
         plgpu.copy_gmem_to_smem(m_ref.at[batch, head, pl.ds(row0, block_q)], rows, m_ready.at[wg])
       if mode == "keys":
         centre_smem, kdiag_smem, flag_smem, bounds_smem, kdiag_ready, bounds_ready, centre_ready = keys_scratch
-        if not has_segments:  # one centre per (batch, kv head); packed rows load theirs in certify_here
+        if not row_centres:  # one centre per (batch, kv head); rows with their own load them in bound_rows
           plgpu.copy_gmem_to_smem(centre_ref.at[batch, 0, kv_head], centre_smem.at[wg], centre_ready.at[wg])
         plgpu.copy_gmem_to_smem(bounds_ref.at[batch, kv_head, :, pl.ds(row0, block_q)], bounds_smem.at[wg],
                                 bounds_ready.at[wg])
@@ -176,11 +177,11 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, 
         """(M, passes) per row of this warpgroup from the K/V pre-pass (stabilizer.row_bounds and
         stabilize, as the Triton kernel's prologue). Radius, headroom, threshold and the centre's
         rounding slack arrive per row through TMA, as M does in "cert" mode. Packed rows each have
-        their segment's centre, rounded to q's dtype: one [block_q, D] buffer serves both
-        warpgroups, so packed warpgroups run this one after the other."""
+        their segment's centre when bidirectional (row_centres), rounded to q's dtype: one [block_q, D]
+        buffer serves both warpgroups, so those warpgroups run this one after the other."""
         plgpu.barrier_wait(bounds_ready.at[wg])
         q = plgpu.load(q_smem, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-        if has_segments:
+        if row_centres:
           plgpu.copy_gmem_to_smem(centre_ref.at[batch, pl.ds(row0, block_q), kv_head], centre_smem,
                                   centre_ready.at[wg])
           plgpu.barrier_wait(centre_ready.at[wg])
@@ -215,8 +216,8 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, 
 
       def certify_here():
         """(M, certified): the rows' bounds in both warpgroups at once, then the two decisions in
-        turn (only the min shares scratch); packed rows share the centre buffer, so in turn too."""
-        if has_segments:
+        turn (only the min shares scratch); rows' own centres share one buffer, so in turn too."""
+        if row_centres:
           return one_warpgroup_at_a_time(lambda: (lambda m, row_ok: (m, decide(row_ok)))(*bound_rows()))
         m, row_ok = bound_rows()
         return m, one_warpgroup_at_a_time(lambda: decide(row_ok))
@@ -400,7 +401,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, 
       plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=slots),  # v_free
       plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS),  # schedule
       *(() if mode != "keys" else (
-          plgpu.SMEM((block_q, head_dim), dtype, transforms=swizzled()) if has_segments  # packed: rows' centres
+          plgpu.SMEM((block_q, head_dim), dtype, transforms=swizzled()) if row_centres  # rows' own centres
           else plgpu.SMEM((COMPUTE_WARPGROUPS, head_dim), jnp.float32),  # the centre
           plgpu.SMEM((COMPUTE_WARPGROUPS, block_q, head_dim), dtype, transforms=swizzled()),  # diagonal keys
           plgpu.SMEM((COMPUTE_WARPGROUPS, block_q), jnp.float32),  # certified flag out
@@ -422,14 +423,18 @@ def _per_row(x, *, tile: int, seq: int):
   return jnp.broadcast_to(jnp.repeat(x, tile, axis=-1) if x.shape[-1] > 1 else x, x.shape[:-1] + (seq,))
 
 
-def kernel_key_inputs(keys: KeyBounds, *, packed: bool, dtype, seq: int, tile: int):
-  """(centre, bounds) as the kernel reads them. centre: [B, 1, Hkv, D] f32, or packed [B, S, Hkv, D]
-  each row's segment centre rounded to `dtype` (half the shared memory of f32). bounds [B, Hkv, 4, S]
+def kernel_key_inputs(keys: KeyBounds, *, row_centres: bool, dtype, seq: int, tile: int):
+  """(centre, bounds) as the kernel reads them. centre: [B, 1, Hkv, D] f32, or with row_centres
+  (bidirectional packed) [B, S, Hkv, D] each row's segment centre rounded to `dtype` (half the
+  shared memory of f32). bounds [B, Hkv, 4, S]
   f32 per row: radius + slack, headroom, threshold, slack, where slack = max ‖c − c_rounded‖ keeps
   the bound sound: ‖k_j − c'‖ ≤ ‖k_j − c‖ + ‖c − c'‖ ≤ radius + slack."""
   per_row = functools.partial(_per_row, tile=tile, seq=seq)
-  centre = keys.centre.astype(dtype if packed else jnp.float32)
-  slack = jnp.linalg.norm(keys.centre - centre.astype(jnp.float32), axis=-1).max(axis=1)[..., None]  # [B, Hkv, 1]
+  centre = keys.centre.astype(dtype if row_centres else jnp.float32)
+  if row_centres:
+    slack = jnp.linalg.norm(keys.centre - centre.astype(jnp.float32), axis=-1).max(axis=1)[..., None]  # [B, Hkv, 1]
+  else:  # the f32 centre is exact
+    slack = jnp.zeros(keys.centre.shape[:1] + keys.centre.shape[2:3] + (1,), jnp.float32)
   bounds = [per_row(keys.radius + slack), per_row(keys.headroom[..., None]), per_row(keys.threshold[..., None]),
             per_row(slack)]
   return centre, jnp.stack(bounds, axis=2).astype(jnp.float32)
@@ -440,7 +445,7 @@ def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv
   """Returns (o [B, S, Hq, D], lse [B, Hq, S] f32 base 2, certified tiles [B, Hq, S/64] or None).
 
   The stabilizer comes from `keys` (the K/V pre-pass; each warpgroup certifies its rows in the
-  prologue, packed rows against their segment's centre), from `cert` (the whole XLA pre-pass, for
+  prologue, bidirectional packed rows against their segment's centre), from `cert` (the whole XLA pre-pass, for
   granularity="head"), or neither (online).
   S must be a multiple of block_sizes.multiple (the API pads with zeros, which the in-kernel
   certificate relies on: zero rows pass). seq_len: accepted for the API's call, not needed.
@@ -453,10 +458,12 @@ def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv
   if seq % bs.multiple or k.shape[1] % bs.multiple:
     raise ValueError(f"{bs.multiple=} must divide the padded lengths {q.shape[1]=} and {k.shape[1]=}")
   mode = "keys" if keys is not None else "cert" if cert is not None else "online"
+  row_centres = keys is not None and keys.centre.shape[1] != 1
   kernel = functools.partial(
       _kernel, mode=mode, causal=causal, sigma2=scale * LOG2E, block_q=bs.block_q,
       block_kv=bs.block_kv, slots=min(bs.slots, k.shape[1] // bs.block_kv), kv_len=kv_len,
-      group=num_heads // k.shape[2], has_segments=segment_ids is not None, pingpong=bs.pingpong,
+      group=num_heads // k.shape[2], has_segments=segment_ids is not None, row_centres=row_centres,
+      pingpong=bs.pingpong,
       overlap=bs.overlap)
   args = [q, k, v]
   if segment_ids is not None:  # key id 0 (padding) becomes −1: it then matches no query, padding included
@@ -465,10 +472,10 @@ def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv
   if mode == "cert":  # the kernel reads the certificate per row, with M
     args += [jnp.where(_per_row(cert.certified, tile=bs.tile, seq=seq), cert.m, FAILED_TILE_M)]
   if mode == "keys":
-    if (keys.centre.shape[1] == 1) != (segment_ids is None):
-      raise ValueError(f"keys.centre.shape={keys.centre.shape}: one centre per (batch, kv head) without "
-                       "segment_ids, one per position with them (stabilizer.key_bounds gives both)")
-    args += list(kernel_key_inputs(keys, packed=segment_ids is not None, dtype=q.dtype, seq=seq, tile=bs.tile))
+    if row_centres and segment_ids is None:
+      raise ValueError(f"keys.centre.shape={keys.centre.shape}: one centre per position needs segment_ids "
+                       "(stabilizer.key_bounds gives it for bidirectional packed rows only)")
+    args += list(kernel_key_inputs(keys, row_centres=row_centres, dtype=q.dtype, seq=seq, tile=bs.tile))
     out_type.append(out_struct((batch, num_heads, seq), jnp.float32, q))  # certified flag per row
   outs = plgpu.kernel(
       kernel,

@@ -5,10 +5,14 @@ t_ij = σ₂·q_i·k_j and softmax weights are 2^(t_ij − M_i) for any stabiliz
 
 Upper bound (before the KV loop). For any centre c, Cauchy–Schwarz gives
     t_ij = σ₂·q_i·c + σ₂·q_i·(k_j − c) ≤ σ₂·q_i·c + σ₂·‖q_i‖·‖k_j − c‖.
-We take c = a robust mean key: the coordinate-wise median of the key blocks' means (of the
-sequence's; when packed, the segment's mean recomputed without outlier keys; padding keys
-excluded either way), so a single huge key (a sink) cannot loosen rows that never see it. Rows only see keys of their own segment, so one
-centre serves both sides of the inequality. One pass over K gives, per block u of block_q keys,
+We take c = a robust mean key: the coordinate-wise median of the means of up to
+SAMPLED_BLOCKS key blocks spread evenly over the sequence (padding keys excluded), so a single
+huge key (a sink) cannot loosen rows that never see it, and the centre costs a read of a few
+blocks, not of K (an error δ in c grows the radius by about ‖δ‖²/2R, second order). Causal rows,
+packed or not, take this one centre: their lower bound is the diagonal logit, which needs no
+centre, and keys of other segments in a visible block only widen R (still an upper bound).
+Bidirectional packed rows take their segment's mean, recomputed without outlier keys: their
+lower bound q·c needs c to be the mean of the keys they see. One pass over K gives, per block u of block_q keys,
 r_u = max_{j∈u} ‖k_j − c‖; a q tile's radius R is the max of r_u over the blocks it may see
 (causal: up to its diagonal block, a prefix max; bidirectional: all), and
 U_i = σ₂·(q_i·c + ‖q_i‖·R) ≥ max_j t_ij. `key_bounds` is the pass over K and V; `row_bounds`
@@ -68,6 +72,7 @@ from clis_kernels import masks
 LOG2E = math.log2(math.e)
 NEG = -1e30  # finite "minus infinity" for masked base-2 logits: exp2(NEG - finite) == 0
 EMPTY_LSE = 1e30  # saved lse of a row with no visible key: its backward weights are 0
+SAMPLED_BLOCKS = 32  # key blocks whose means give the centre (their median)
 
 
 @jax.tree_util.register_dataclass
@@ -110,8 +115,8 @@ def _per_segment(reduce, values: jax.Array, index: jax.Array) -> jax.Array:
 class KeyBounds:
   """What one pass over K and V gives, before any query is seen.
 
-  centre:    [B, 1, Hkv, D] f32, the median of block means; [B, S, Hkv, D] when packed: each
-             position's (robust) segment mean.
+  centre:    [B, 1, Hkv, D] f32, the median of sampled block means; [B, S, Hkv, D] when packed
+             and bidirectional: each position's (robust) segment mean.
   radius:    [B, Hkv, num_q_blocks] f32 when causal: max ‖k_j − c‖ over the key blocks (of
              block_q keys) up to the tile's diagonal; [B, Hkv, 1] otherwise (all keys).
   headroom:  [B, Hkv] f32, h.
@@ -122,6 +127,20 @@ class KeyBounds:
   radius: jax.Array
   headroom: jax.Array
   threshold: jax.Array
+
+
+def _sampled_median_centre(k, key_valid, block: int):
+  """[B, 1, Hkv, D] f32: the coordinate-wise median of the means of up to SAMPLED_BLOCKS blocks
+  of `block` keys, evenly strided over the sequence (all blocks when there are fewer); blocks of
+  padding only are left out of the median."""
+  batch, sk, hkv, d = k.shape
+  nb = sk // block
+  stride = -(-nb // SAMPLED_BLOCKS)
+  blocks = k.reshape(batch, nb, block, hkv, d)[:, ::stride].astype(jnp.float32)
+  valid = key_valid.reshape(-1, nb, block)[:, ::stride, :, None, None]
+  count = valid.sum(2)
+  block_mean = jnp.where(valid, blocks, 0.0).sum(2) / jnp.maximum(count, 1)  # [B, samples, Hkv, D]
+  return jnp.nanmedian(jnp.where(count > 0, block_mean, jnp.nan), axis=1, keepdims=True)
 
 
 def _robust_segment_mean(kf, key_valid, index):
@@ -149,19 +168,12 @@ def key_bounds(k, v, segment_ids, *, causal: bool, tau: float, block_q: int, seq
   if sk % block_q:
     raise ValueError(f"{block_q=} must divide the padded key length {sk=}")
   key_valid = masks.key_is_real(segment_ids, sk, seq_len)  # [B or 1, Sk]
-  index = None if segment_ids is None else _segment_index(segment_ids)
 
   nb = sk // block_q
-  if index is None:
-    # Coordinate-wise median of the block means: one reduction over K, and a few outlier
-    # blocks (an attention sink) cannot move it, so rows that never see them stay tight.
-    valid = key_valid.reshape(-1, nb, block_q)[..., None, None]
-    blocks = kf.reshape(batch, nb, block_q, hkv, -1)
-    count = valid.sum(2)
-    block_mean = jnp.where(valid, blocks, 0.0).sum(2) / jnp.maximum(count, 1)  # [B, nb, Hkv, D]
-    centre = jnp.nanmedian(jnp.where(count > 0, block_mean, jnp.nan), axis=1, keepdims=True)
+  if causal or segment_ids is None:
+    centre = _sampled_median_centre(k, key_valid, block_q)
   else:
-    centre = _robust_segment_mean(kf, key_valid, index)
+    centre = _robust_segment_mean(kf, key_valid, _segment_index(segment_ids))
   dev = jnp.where(key_valid[..., None], jnp.linalg.norm(kf - centre, axis=-1), 0.0)  # [B, Sk, Hkv]
   per_block = dev.reshape(batch, nb, block_q, hkv).max(2).transpose(0, 2, 1)  # [B, Hkv, nb]
   if causal:  # prefix max over blocks, as one masked reduction (nb is small)

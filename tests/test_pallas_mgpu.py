@@ -294,14 +294,21 @@ def test_in_kernel_certificate_matches_the_xla_certificate_on_gpu(causal):
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_packed_kernel_bounds_cover_every_visible_key(causal):
-  """The kernel's packed inputs (segment centres rounded to bf16, radius + rounding slack) bound
-  ‖k_j − c'_i‖ for every row i and every key j it may see, so U stays an upper bound (CPU)."""
+  """The kernel's packed inputs bound ‖k_j − c'_i‖ for every row i and every key j it may see, so U
+  stays an upper bound (CPU): bidirectional rows' segment centres rounded to bf16 with radius +
+  rounding slack; causal rows' one f32 centre, whose radius spans every segment's keys."""
   from clis_kernels import masks, stabilizer
   _, k, v, _ = random_inputs(13, 1, 256, 2, 2, 64, jnp.bfloat16, key_offset=3.0)
   seg = packed_segments(13, 1, 256)
   keys = stabilizer.key_bounds(k, v, seg, causal=causal, tau=64.0, block_q=64, seq_len=256)
-  centre, bounds = pallas_mgpu.kernel_key_inputs(keys, packed=True, dtype=jnp.bfloat16, seq=256, tile=64)
-  assert centre.dtype == jnp.bfloat16 and float(bounds[:, :, 3].max()) > 0.0  # rounding did move the centres
+  row_centres = keys.centre.shape[1] != 1
+  assert row_centres == (not causal)
+  centre, bounds = pallas_mgpu.kernel_key_inputs(keys, row_centres=row_centres, dtype=jnp.bfloat16, seq=256,
+                                                 tile=64)
+  if row_centres:  # rounding did move the centres, and the slack covers it
+    assert centre.dtype == jnp.bfloat16 and float(bounds[:, :, 3].max()) > 0.0
+  else:
+    assert centre.dtype == jnp.float32 and float(bounds[:, :, 3].max()) == 0.0
   pos = jnp.arange(256)
   visible = masks.visible(pos, pos, seg[0], seg[0], causal=causal, kv_len=None)  # [rows, keys]
   dist = jnp.linalg.norm(k[0].astype(jnp.float32)[None, :] - centre[0].astype(jnp.float32)[:, None], axis=-1)
