@@ -46,14 +46,17 @@ def inputs(seq, hq, hkv, docs):
 
 def gpu_kernels(path):
   """[(name, start_ns, duration_ns)] of every GPU kernel in the trace, by start time."""
-  events = []
+  events, names = [], []
   for plane in jax.profiler.ProfileData.from_file(path).planes:
     if not plane.name.startswith("/device:GPU"):
       continue
     for line in plane.lines:
+      names.append(line.name)
       if "stream" not in line.name.lower() or "memcpy" in line.name.lower():
         continue
       events += [(e.name, e.start_ns, e.duration_ns) for e in line.events]
+  if not events:
+    print("no kernels found on the GPU lines", names, flush=True)
   return sorted(events, key=lambda e: e[1])
 
 
