@@ -237,7 +237,7 @@ def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv
     mode = "keys"
     if keys.centre.shape[1] == 1:  # one centre per (batch, kv head)
       in_specs.append(pl.BlockSpec((None, None, None, head_dim), lambda i, b, h: (b, 0, h // group, 0)))
-    else:  # packed: each query position's segment centre
+    else:  # bidirectional packed: each query position's segment centre
       in_specs.append(pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (*qmap(i, b, h)[:2], h // group, 0)))
     tile_of = (lambda i, b, h: (b, h // group, nq - 1 - i)) if keys.radius.shape[-1] > 1 else kv_head_scalar
     in_specs += [pl.BlockSpec((None, None, 1), tile_of)] + [pl.BlockSpec((None, None, 1), kv_head_scalar)] * 2

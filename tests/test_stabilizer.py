@@ -174,3 +174,20 @@ def test_head_granularity_needs_every_tile():
   head = stabilizer.certify(q, k, v, None, granularity="head", **kw).certified
   np.testing.assert_array_equal(np.asarray(head), np.broadcast_to(np.asarray(tile).all(-1, keepdims=True), tile.shape))
   assert bool(tile[0, 0].any()) and not bool(head[0, 0].any())
+
+
+def test_sampled_centre_keeps_the_radius_tight_and_ignores_a_sink():
+  """The centre comes from 32 of 256 blocks; the radius about it stays within 2% of the radius
+  about the median of all block means, and a sink key does not move it."""
+  rng = np.random.default_rng(7)
+  k = rng.standard_normal((1, 4096, 2, 64)) + 4.0 * rng.standard_normal((1, 1, 2, 64))
+  k[0, 1000] *= 100.0  # a sink
+  k = jnp.asarray(k, jnp.float32)
+  v = jnp.ones_like(k)
+  keys = stabilizer.key_bounds(k, v, None, causal=False, tau=64.0, block_q=16, seq_len=4096)
+  full = jnp.median(k.reshape(1, 256, 16, 2, 64).mean(2), axis=1, keepdims=True)  # [1, 1, 2, 64]
+  assert stabilizer.SAMPLED_BLOCKS < 256
+  typical = np.delete(np.asarray(k[0]), 1000, axis=0)  # every key but the sink
+  radius = lambda c: np.linalg.norm(typical - np.asarray(c[0]), axis=-1).max(0)  # [2]
+  assert np.all(radius(keys.centre) <= 1.02 * radius(full))
+  assert float(jnp.linalg.norm(keys.centre - full, axis=-1).max()) < 0.5

@@ -1,7 +1,7 @@
 """H200 experiment: where the K/V pre-pass (stabilizer.key_bounds) spends its time.
 
 Times, interleaved, the whole pre-pass and its parts on the two benchmark cases (padded as the
-Mosaic GPU API pads, tile 64): the centre as the median of block means (committed) or as a
+Mosaic GPU API pads, tile 64): the centre as the median of block means (committed at the time) or as a
 plain mean, the radius (deviation norms, per-block max, causal prefix max), the headroom.
 
   python notes/experiments/prepass_profile.py --out $OUT/prepass_profile.json
