@@ -12,8 +12,8 @@ blocks, not of K (an error δ in c grows the radius by about ‖δ‖²/2R, seco
 packed or not, take this one centre: their lower bound is the diagonal logit, which needs no
 centre, and keys of other segments in a visible block only widen R (still an upper bound).
 Bidirectional packed rows take their segment's mean, recomputed without outlier keys: their
-lower bound q·c needs c to be the mean of the keys they see. One pass over K gives, per block u of block_q keys,
-r_u = max_{j∈u} ‖k_j − c‖; a q tile's radius R is the max of r_u over the blocks it may see
+lower bound q·c needs c to be the mean of the keys they see.
+One pass over K gives, per block u of block_q keys, r_u = max_{j∈u} ‖k_j − c‖; a q tile's radius R is the max of r_u over the blocks it may see
 (causal: up to its diagonal block, a prefix max; bidirectional: all), and
 U_i = σ₂·(q_i·c + ‖q_i‖·R) ≥ max_j t_ij. `key_bounds` is the pass over K and V; `row_bounds`
 is the per-row arithmetic, which the GPU kernel runs in its prologue on the q tile it has

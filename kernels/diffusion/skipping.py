@@ -92,6 +92,12 @@ def _within_budget(candidates, bound, skip, thr):
   return candidates & (rank < allowed)
 
 
+def _kept_tiles(skip):
+  """What the skip kernels walk: (visit [B, H, nq, nk] int32, kept kv tiles first, in order; count
+  [B, H, nq], how many are kept)."""
+  return jnp.argsort(skip, axis=-1, stable=True).astype(jnp.int32), (~skip).sum(-1).astype(jnp.int32)
+
+
 def attention(q, k, v, state: SkipState, *, thr, scale: float | None = None, block_sizes=None,
               stabilizer_name: str = "clis", tau: float = 64.0, implementation: str = "reference",
               interpret: bool = False):
@@ -129,9 +135,6 @@ def attention(q, k, v, state: SkipState, *, thr, scale: float | None = None, blo
   if keys is not None and implementation != "pallas_gpu":  # the Triton kernel certifies in its prologue
     cert = stabilizer.certify_rows(qp, kp, None, keys, causal=False, scale=scale, granularity="tile", block_q=bq,
                                    seq_len=seq_len)
-  if implementation != "reference":  # the kernels walk a list of kept tiles
-    visit = jnp.argsort(state.skip, axis=-1, stable=True).astype(jnp.int32)  # kept tiles first, in order
-    count = (~state.skip).sum(-1).astype(jnp.int32)
   if implementation == "reference":
     out, _, (gap_rows, log2_l_rows) = reference.forward_with_tiles(
         qp, kp, vp, None, cert, causal=False, scale=scale, kv_len=kv_len, block_sizes=bs, tile_skip=state.skip,
@@ -141,9 +144,11 @@ def attention(q, k, v, state: SkipState, *, thr, scale: float | None = None, blo
     gap = per_tile(jnp.where(real[..., None], gap_rows, NEG)).max(axis=3)
     log2_l = per_tile(jnp.where(real, log2_l_rows, jnp.inf)).min(axis=3)
   elif implementation == "pallas_tpu":
+    visit, count = _kept_tiles(state.skip)
     out, _, gap, log2_l = pallas_tpu_skip.forward(qp, kp, vp, visit, count, cert, scale=scale, kv_len=kv_len,
                                                   seq_len=seq_len, block_sizes=bs, track=track, interpret=interpret)
   else:
+    visit, count = _kept_tiles(state.skip)
     nk_pad = max(16, 1 << (nk - 1).bit_length())
     visit = jnp.pad(visit, [(0, 0)] * 3 + [(0, nk_pad - nk)])
     out, _, _, gap, log2_l = pallas_gpu_skip.forward(qp, kp, vp, visit, count, keys, scale=scale, kv_len=kv_len,
