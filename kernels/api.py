@@ -28,18 +28,19 @@ class Backend(NamedTuple):
   default_block_sizes: Callable[[int, int, Any], Any]
   platforms: tuple[str, ...]  # platforms that run it compiled (others need interpret=True)
   certifies_in_kernel: bool  # takes KeyBounds and certifies each tile itself (no pre-pass over q)
+  padded_head_dim: Callable[[int], int] = lambda d: d  # head dim it runs at (the API zero-pads up to it)
 
 
 def _pallas_gpu() -> Backend:
   from clis_kernels import pallas_gpu, pallas_gpu_vjp
   return Backend(pallas_gpu.forward, pallas_gpu_vjp.backward, pallas_gpu.BlockSizes,
-                 pallas_gpu.default_block_sizes, ("gpu",), True)
+                 pallas_gpu.default_block_sizes, ("gpu",), True, pallas_gpu.padded_head_dim)
 
 
 def _pallas_mgpu() -> Backend:
   from clis_kernels import pallas_mgpu
   return Backend(pallas_mgpu.forward, pallas_mgpu.backward, pallas_mgpu.BlockSizes,
-                 pallas_mgpu.default_block_sizes, ("gpu",), True)
+                 pallas_mgpu.default_block_sizes, ("gpu",), True, pallas_mgpu.padded_head_dim)
 
 
 def _pallas_tpu() -> Backend:
@@ -150,13 +151,27 @@ def _validate(q, k, v, segment_ids, causal, stabilizer_name, granularity, tau):
     raise ValueError(f"{tau=} must be positive (natural-log units; default 64.0)")
 
 
-def _pad_seq(x, multiple, value=0):
-  pad = -x.shape[1] % multiple
+def _pad_axis(x, axis, multiple=None, *, to=None, value=0):
+  """x zero-padded along `axis` to a multiple of `multiple` (or to length `to`)."""
+  pad = (to - x.shape[axis]) if to is not None else -x.shape[axis] % multiple
   if not pad:
     return x
   widths = [(0, 0)] * x.ndim
-  widths[1] = (0, pad)
+  widths[axis] = (0, pad)
   return jnp.pad(x, widths, constant_values=value)
+
+
+def _pad_seq(x, multiple, value=0):
+  return _pad_axis(x, 1, multiple, value=value)
+
+
+def _empty_attention(q, return_stats):
+  """Zero-length queries or keys: every row sees no key, so the output is 0 (and so is every gradient)."""
+  out = jnp.zeros_like(q)
+  if not return_stats:
+    return out
+  none = jnp.zeros((q.shape[0], q.shape[2], 0), bool)
+  return out, AttentionStats(none, jnp.zeros(()), jnp.zeros(q.shape[2]))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -229,6 +244,8 @@ def attention(q, k, v, segment_ids=None, *, causal=True, scale=None, stabilizer=
   _validate(q, k, v, segment_ids, causal, stabilizer, granularity, tau)
   impl = _resolve_implementation(implementation, interpret, q)
   scale = float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+  if 0 in q.shape or 0 in k.shape:
+    return _empty_attention(q, return_stats)
   if impl == "xla":
     if block_sizes is not None:
       raise ValueError("block_sizes has no meaning for implementation='xla'; leave it None")
@@ -245,8 +262,8 @@ def attention(q, k, v, segment_ids=None, *, causal=True, scale=None, stabilizer=
   elif not isinstance(block_sizes, backend.block_sizes_type):
     raise ValueError(f"block_sizes for implementation={impl!r} must be "
                      f"{backend.block_sizes_type.__module__}.BlockSizes; got {type(block_sizes).__name__}")
-  multiple = block_sizes.multiple
-  qp, kp, vp = _pad_seq(q, multiple), _pad_seq(k, multiple), _pad_seq(v, multiple)
+  multiple, head_dim = block_sizes.multiple, backend.padded_head_dim(q.shape[-1])
+  qp, kp, vp = (_pad_seq(_pad_axis(x, 3, to=head_dim), multiple) for x in (q, k, v))
   segp = None if segment_ids is None else _pad_seq(segment_ids.astype(jnp.int32), multiple)
   needs_kv_mask = kp.shape[1] != kv_seq_len and not causal and segment_ids is None
   static = _Static(impl, bool(causal), scale, kv_seq_len if needs_kv_mask else None, seq_len, block_sizes,
@@ -260,7 +277,7 @@ def attention(q, k, v, segment_ids=None, *, causal=True, scale=None, stabilizer=
       stab = certificate.certify_rows(qp, kp, segp, stab, causal=causal, scale=scale, granularity=granularity,
                                       block_q=block_sizes.tile, seq_len=seq_len)
   out, tiles = _attend(static, qp, kp, vp, segp, stab)
-  out = out[:, :seq_len]
+  out = out[:, :seq_len, :, :q.shape[-1]]
   if not return_stats:
     return out
   if tiles is None:

@@ -71,6 +71,12 @@ class BlockSizes:
     return max(getattr(self, f.name) for f in dataclasses.fields(self) if f.name.startswith("block"))
 
 
+def padded_head_dim(head_dim: int) -> int:
+  """The head dim the Triton kernels run at (a power of two >= 16, Triton's dot shapes): the API pads
+  q, k, v with zero columns up to it, which changes no logit; the output's extra columns are cut off."""
+  return max(16, 1 << (head_dim - 1).bit_length())
+
+
 def default_block_sizes(head_dim: int, seq_len: int, dtype) -> BlockSizes:
   """Tiles per head dim and dtype (f32 tiles take twice the shared memory), shrunk for short sequences."""
   cap = max(16, 1 << (max(seq_len, 1) - 1).bit_length())
@@ -213,8 +219,9 @@ def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv
   group = num_heads // k.shape[2]
   bq = block_sizes.block_q
   nq = seq // bq
-  if not _is_pow2(head_dim) or head_dim < 16:
-    raise ValueError(f"{head_dim=} must be a power of two >= 16 for implementation='pallas_gpu'")
+  if head_dim != padded_head_dim(head_dim):
+    raise ValueError(f"{head_dim=} must be a power of two >= 16 for pallas_gpu.forward; "
+                     "clis_kernels.attention pads other head dims (padded_head_dim)")
   if cert is not None and keys is not None:
     raise ValueError("pass the stabilizer as cert or as keys, not both")
   # Grid (q tile, batch, head); causal tiles run last-first so the longest start early.
@@ -224,14 +231,15 @@ def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv
   seg_q_map = (lambda i, b, h: (b, nq - 1 - i)) if causal else (lambda i, b, h: (b, i))
   kv_head_scalar = lambda i, b, h: (b, h // group, 0)
 
+  kv_seq = k.shape[1]  # may differ from seq (cross-attention)
   in_specs = [
       pl.BlockSpec((None, bq, None, head_dim), qmap),
-      pl.BlockSpec((None, seq, None, head_dim), kvmap),
-      pl.BlockSpec((None, seq, None, head_dim), kvmap),
+      pl.BlockSpec((None, kv_seq, None, head_dim), kvmap),
+      pl.BlockSpec((None, kv_seq, None, head_dim), kvmap),
   ]
   args = [q, k, v]
   if segment_ids is not None:
-    in_specs += [pl.BlockSpec((None, bq), seg_q_map), pl.BlockSpec((None, seq), lambda i, b, h: (b, 0))]
+    in_specs += [pl.BlockSpec((None, bq), seg_q_map), pl.BlockSpec((None, kv_seq), lambda i, b, h: (b, 0))]
     args += [segment_ids, segment_ids]
   if keys is not None:
     mode = "keys"

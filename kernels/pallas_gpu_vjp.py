@@ -119,7 +119,7 @@ def backward(q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_s
              interpret=False):
   """Returns (dq, dk, dv) shaped like q, k, v."""
   batch, seq, num_heads, head_dim = q.shape
-  num_kv_heads = k.shape[2]
+  kv_seq, num_kv_heads = k.shape[1:3]  # kv_seq may differ from seq (cross-attention)
   group = num_heads // num_kv_heads
   delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32))
   has_seg = segment_ids is not None
@@ -132,15 +132,15 @@ def backward(q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_s
   full_kv = lambda i, b, h: (b, 0, h // group, 0)
   in_specs = [
       pl.BlockSpec((None, bq, None, head_dim), row),
-      pl.BlockSpec((None, seq, None, head_dim), full_kv),
-      pl.BlockSpec((None, seq, None, head_dim), full_kv),
+      pl.BlockSpec((None, kv_seq, None, head_dim), full_kv),
+      pl.BlockSpec((None, kv_seq, None, head_dim), full_kv),
       pl.BlockSpec((None, bq, None, head_dim), row),
       pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)),
       pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)),
   ]
   args = [q, k, v, do, lse, delta]
   if has_seg:
-    in_specs += [pl.BlockSpec((None, bq), lambda i, b, h: (b, i)), pl.BlockSpec((None, seq), lambda i, b, h: (b, 0))]
+    in_specs += [pl.BlockSpec((None, bq), lambda i, b, h: (b, i)), pl.BlockSpec((None, kv_seq), lambda i, b, h: (b, 0))]
     args += [segment_ids, segment_ids]
   dq = pl.pallas_call(
       functools.partial(_dq_kernel, block_q=bq, block_k=bk, **common),
@@ -167,7 +167,7 @@ def backward(q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_s
     in_specs += [pl.BlockSpec((None, seq), lambda i, b, h: (b, 0)), pl.BlockSpec((None, bk), lambda i, b, h: (b, i))]
   dk, dv = pl.pallas_call(
       functools.partial(_dkv_kernel, block_q=bq, block_k=bk, group=group, **common),
-      grid=(seq // bk, batch, num_kv_heads),
+      grid=(kv_seq // bk, batch, num_kv_heads),
       in_specs=in_specs,
       out_specs=[pl.BlockSpec((None, bk, None, head_dim), kv_row), pl.BlockSpec((None, bk, None, head_dim), kv_row)],
       out_shape=[out_struct(k.shape, k.dtype, q), out_struct(v.shape, v.dtype, q)],

@@ -93,9 +93,15 @@ def default_block_sizes(head_dim: int, seq_len: int, dtype) -> BlockSizes:
   return BlockSizes()
 
 
+def padded_head_dim(head_dim: int) -> int:
+  """The head dim the kernels run at: the API pads q, k, v with zero columns up to it (zeros change no
+  logit, and the output's extra columns are cut off), as FlashAttention does for 80 or 96."""
+  return next((d for d in HEAD_DIMS if d >= head_dim), head_dim)
+
+
 def supports(dtype, head_dim: int) -> bool:
-  """Whether these kernels take inputs of this dtype and head dim (the API's default asks)."""
-  return dtype in DTYPES and head_dim in HEAD_DIMS
+  """Whether these kernels take inputs of this dtype and (unpadded) head dim (the API's default asks)."""
+  return dtype in DTYPES and padded_head_dim(head_dim) in HEAD_DIMS
 
 
 def _check(q, k, cert, scale, interpret):
@@ -106,7 +112,8 @@ def _check(q, k, cert, scale, interpret):
     raise ValueError(f"implementation='pallas_mgpu' needs bfloat16 or float16 inputs; got {q.dtype=} "
                      "(use implementation='pallas_gpu' for float32)")
   if q.shape[-1] not in HEAD_DIMS:
-    raise ValueError(f"head_dim={q.shape[-1]} must be one of {HEAD_DIMS} for implementation='pallas_mgpu'")
+    raise ValueError(f"head_dim={q.shape[-1]} must be at most {HEAD_DIMS[-1]} for implementation='pallas_mgpu' "
+                     f"(smaller ones are padded to one of {HEAD_DIMS}); use implementation='pallas_gpu'")
   if not scale > 0:
     raise ValueError(f"{scale=} must be positive for implementation='pallas_mgpu'")
   if cert is not None and cert.certified.shape[-1] * 64 != q.shape[1]:

@@ -320,21 +320,21 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
 def backward(q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_sizes: BlockSizes):
   """Returns (dq, dk, dv) shaped like q, k, v; sequence lengths a multiple of block_sizes.multiple."""
   batch, seq, num_heads, _ = q.shape
-  num_kv_heads = k.shape[2]
-  if seq % block_sizes.multiple:
-    raise ValueError(f"{block_sizes.multiple=} must divide the padded length {seq=}")
+  kv_seq, num_kv_heads = k.shape[1:3]  # kv_seq may differ from seq (cross-attention)
+  if seq % block_sizes.multiple or kv_seq % block_sizes.multiple:
+    raise ValueError(f"{block_sizes.multiple=} must divide the padded lengths {seq=} and {kv_seq=}")
   delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32))
   args = [q, k, v, do, lse, delta]
   if segment_ids is not None:  # key id 0 (padding) becomes −1, as in the forward
     args += [segment_ids.astype(jnp.int32), jnp.where(segment_ids == 0, -1, segment_ids).astype(jnp.int32)]
   common = dict(causal=causal, sigma2=scale * LOG2E, scale=scale, slots=block_sizes.slots,
                 group=num_heads // num_kv_heads, has_segments=segment_ids is not None)
-  tiles = seq // (COMPUTE_WARPGROUPS * ROWS)
+  q_tiles, kv_tiles = seq // (COMPUTE_WARPGROUPS * ROWS), kv_seq // (COMPUTE_WARPGROUPS * ROWS)
   launch = dict(num_threads=COMPUTE_WARPGROUPS + 1, thread_name="wg",
                 compiler_params=plgpu.CompilerParams(approx_math=True))
   dq = plgpu.kernel(functools.partial(_dq_kernel, kv_len=kv_len, **common), out_type=out_struct(q.shape, q.dtype, q),
-                    grid=(num_heads, tiles, batch), grid_names=("heads", "q_tiles", "batch"), **launch)(*args)
+                    grid=(num_heads, q_tiles, batch), grid_names=("heads", "q_tiles", "batch"), **launch)(*args)
   dk, dv = plgpu.kernel(functools.partial(_dkv_kernel, **common),
                         out_type=(out_struct(k.shape, k.dtype, k), out_struct(v.shape, v.dtype, v)),
-                        grid=(num_kv_heads, tiles, batch), grid_names=("heads", "kv_tiles", "batch"), **launch)(*args)
+                        grid=(num_kv_heads, kv_tiles, batch), grid_names=("heads", "kv_tiles", "batch"), **launch)(*args)
   return dq, dk, dv

@@ -62,6 +62,14 @@ def interpret_mode(interpret: bool):
   return pltpu.InterpretParams() if interpret else False
 
 
+def compiler_params(dimension_semantics: tuple[str, ...], interpret: bool) -> pltpu.CompilerParams:
+  """The grid's dimension semantics for the compiler. Interpret mode gets none: JAX 0.11.2's TPU
+  interpreter zips them with the grid without the axes `jax.vmap` prepends (the compiled lowering
+  accounts for those, mosaic/lowering.py), so `vmap` of an interpreted kernel would fail; without
+  semantics it runs the grid in order, which is what it does for "parallel" axes anyway."""
+  return pltpu.CompilerParams() if interpret else pltpu.CompilerParams(dimension_semantics=dimension_semantics)
+
+
 
 def nt_dot(a, b, precision):
   """a @ b.T in f32 without materialising the transpose."""
@@ -78,6 +86,17 @@ def tn_dot(a, b, precision):
 def nn_dot(a, b, precision):
   return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=precision,
                              preferred_element_type=jnp.float32)
+
+
+def may_need_mask(*, causal, has_segments, kv_len) -> bool:
+  """Whether any block of the grid can need a mask (static): only then is the masked update traced,
+  since bidirectional, unpacked, unpadded inputs have no mask at all (masks.visible gives None)."""
+  return causal or has_segments or kv_len is not None
+
+
+def mask_branches(*, causal, has_segments, kv_len) -> tuple[bool, ...]:
+  """The `masked` values a kernel traces an update for."""
+  return (False, True) if may_need_mask(causal=causal, has_segments=has_segments, kv_len=kv_len) else (False,)
 
 
 def block_flags(q_block, kv_block, *, causal, has_segments, kv_len, block_q, block_k):
@@ -167,7 +186,7 @@ def _fwd_kernel(cert_ref, *refs, has_segments, fixed_mode, causal, sigma2, block
 
   runs, needs_mask = block_flags(i, j, causal=causal, has_segments=has_segments, kv_len=kv_len,
                                  block_q=block_q, block_k=block_k)
-  for masked in (False, True):
+  for masked in mask_branches(causal=causal, has_segments=has_segments, kv_len=kv_len):
     for fixed in ((False, True) if fixed_mode else (False,)):
       cond = runs & (needs_mask if masked else ~needs_mask) & (certified if fixed else ~certified)
       pl.when(cond)(functools.partial(update, masked, fixed))
@@ -192,7 +211,7 @@ def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv
   batch, seq, num_heads, head_dim = q.shape
   group = num_heads // k.shape[2]
   bq, bk = block_sizes.block_q, block_sizes.block_k
-  nq, nk = seq // bq, seq // bk
+  nq, nk = seq // bq, k.shape[1] // bk  # queries and keys may differ in length (cross-attention)
   fixed_mode = cert is not None
   if fixed_mode:
     m_in, cert_flat = cert.m[..., None], cert.certified.astype(jnp.int32).reshape(-1)
@@ -230,7 +249,7 @@ def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv
           scratch_shapes=[pltpu.VMEM((bq, head_dim), jnp.float32)] + [pltpu.VMEM((bq, 1), jnp.float32)] * 2),
       out_shape=[out_struct((batch, num_heads, seq, head_dim), q.dtype, q),
                  out_struct((batch, num_heads, seq, 1), jnp.float32, q)],
-      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+      compiler_params=compiler_params(("parallel", "parallel", "parallel", "arbitrary"), interpret),
       interpret=interpret_mode(interpret),
       name="clis_fwd_tpu" if fixed_mode else "online_fwd_tpu",
   )(cert_flat, *args)

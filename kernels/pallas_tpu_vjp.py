@@ -17,8 +17,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from clis_kernels.common import dot_precision, out_struct
-from clis_kernels.pallas_tpu import (BlockSizes, block_flags, block_mask, interpret_mode,
-                                     last_visible_kv_block, nn_dot, nt_dot, segment_operands, tn_dot, to_head_major)
+from clis_kernels.pallas_tpu import (BlockSizes, block_flags, block_mask, compiler_params, interpret_mode,
+                                     last_visible_kv_block, mask_branches, nn_dot, nt_dot, segment_operands, tn_dot,
+                                     to_head_major)
 from clis_kernels.stabilizer import LOG2E, NEG
 
 
@@ -51,8 +52,8 @@ def _dq_kernel(*refs, has_segments, causal, sigma2, scale, block_q, block_k, kv_
 
   runs, needs_mask = block_flags(i, j, causal=causal, has_segments=has_segments, kv_len=kv_len,
                                  block_q=block_q, block_k=block_k)
-  pl.when(runs & needs_mask)(functools.partial(update, True))
-  pl.when(runs & ~needs_mask)(functools.partial(update, False))
+  for masked in mask_branches(causal=causal, has_segments=has_segments, kv_len=kv_len):
+    pl.when(runs & (needs_mask if masked else ~needs_mask))(functools.partial(update, masked))
 
   @pl.when(j == num_kv_blocks - 1)
   def _finish():
@@ -82,8 +83,8 @@ def _dkv_kernel(*refs, has_segments, causal, sigma2, scale, block_q, block_k, kv
 
   runs, needs_mask = block_flags(i, j, causal=causal, has_segments=has_segments, kv_len=kv_len,
                                  block_q=block_q, block_k=block_k)
-  pl.when(runs & needs_mask)(functools.partial(update, True))
-  pl.when(runs & ~needs_mask)(functools.partial(update, False))
+  for masked in mask_branches(causal=causal, has_segments=has_segments, kv_len=kv_len):
+    pl.when(runs & (needs_mask if masked else ~needs_mask))(functools.partial(update, masked))
 
   @pl.when((g == group - 1) & (i == num_q_blocks - 1))
   def _finish():
@@ -95,7 +96,7 @@ def backward(q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_s
              interpret=False):
   """Returns (dq, dk, dv) shaped like q, k, v."""
   batch, seq, num_heads, head_dim = q.shape
-  num_kv_heads = k.shape[2]
+  kv_seq, num_kv_heads = k.shape[1:3]
   group = num_heads // num_kv_heads
   delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32))[..., None]
   lse = lse[..., None]
@@ -108,7 +109,7 @@ def backward(q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_s
 
   # dQ: kv blocks on the minor axis; causal steps past the diagonal repeat the last block.
   bq, bk = block_sizes.block_q_dq, block_sizes.block_k_dq
-  nq, nk = seq // bq, seq // bk
+  nq, nk = seq // bq, kv_seq // bk
   last_kv = functools.partial(last_visible_kv_block, causal=causal, kv_len=kv_len, block_q=bq, block_k=bk,
                               num_kv_blocks=nk)
   kv_index = lambda b, h, i, j: (b, h // group, jnp.minimum(j, last_kv(i)), 0)
@@ -129,13 +130,13 @@ def backward(q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_s
       out_specs=pl.BlockSpec((None, None, bq, head_dim), row_index),
       out_shape=out_struct(qh.shape, q.dtype, q),
       scratch_shapes=[pltpu.VMEM((bq, head_dim), jnp.float32)],
-      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+      compiler_params=compiler_params(("parallel", "parallel", "parallel", "arbitrary"), interpret),
       interpret=interp, name="clis_bwd_dq_tpu",
   )(qh, kh, vh, doh, lse, delta, *seg_args)
 
   # dK/dV: (group head, q block) reduce on the minor axes; causal skips q blocks above the diagonal.
   bq, bk = block_sizes.block_q_dkv, block_sizes.block_k_dkv
-  nq, nk = seq // bq, seq // bk
+  nq, nk = seq // bq, kv_seq // bk
   first_q = (lambda j: (j * bk) // bq) if causal else (lambda j: 0)
   q_index = lambda b, h, j, g, i: (b, h * group + g, jnp.maximum(i, first_q(j)), 0)
   kv_index = lambda b, h, j, g, i: (b, h, j, 0)
@@ -156,8 +157,7 @@ def backward(q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_s
       out_specs=[pl.BlockSpec((None, None, bk, head_dim), kv_index)] * 2,
       out_shape=[out_struct(kh.shape, k.dtype, q), out_struct(vh.shape, v.dtype, q)],
       scratch_shapes=[pltpu.VMEM((bk, head_dim), jnp.float32), pltpu.VMEM((bk, head_dim), jnp.float32)],
-      compiler_params=pltpu.CompilerParams(
-          dimension_semantics=("parallel", "parallel", "parallel", "arbitrary", "arbitrary")),
+      compiler_params=compiler_params(("parallel", "parallel", "parallel", "arbitrary", "arbitrary"), interpret),
       interpret=interp, name="clis_bwd_dkv_tpu",
   )(qh, kh, vh, doh, lse, delta, *seg_args)
   return to_head_major(dq), to_head_major(dk), to_head_major(dv)

@@ -25,7 +25,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from clis_kernels.common import dot_precision, out_struct
-from clis_kernels.pallas_tpu import BlockSizes, finish, interpret_mode, nt_dot, tile_update, to_head_major
+from clis_kernels.pallas_tpu import (BlockSizes, compiler_params, finish, interpret_mode, nt_dot, tile_update,
+                                     to_head_major)
 from clis_kernels.stabilizer import LOG2E, NEG, Certificate
 
 
@@ -114,7 +115,7 @@ def forward(q, k, v, visit, count, cert: Certificate | None, *, scale: float, kv
                  out_struct((batch, heads, seq, 1), jnp.float32, q),
                  out_struct((batch, heads, nq, 1, nk), jnp.float32, q),
                  out_struct((batch, heads, nq, 1, 1), jnp.float32, q)],
-      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+      compiler_params=compiler_params(("parallel", "parallel", "parallel", "arbitrary"), interpret),
       interpret=interpret_mode(interpret),
       name="clis_skip_fwd_tpu" if fixed_mode else "online_skip_fwd_tpu",
   )(visit.reshape(-1), count.reshape(-1), cert_flat, to_head_major(q), to_head_major(k), to_head_major(v), m_in)
