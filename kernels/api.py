@@ -136,13 +136,21 @@ def _validate(q, k, v, segment_ids, causal, stabilizer_name, granularity, tau):
     raise ValueError(f"q and k must agree in batch and head_dim; got {q.shape=}, {k.shape=}")
   if q.shape[2] % k.shape[2]:
     raise ValueError(f"query heads Hq={q.shape[2]} must be a multiple of kv heads Hkv={k.shape[2]} (GQA/MQA)")
-  if (causal or segment_ids is not None) and q.shape[1] != k.shape[1]:
-    raise ValueError(f"causal or packed attention needs equal q and k lengths; got {q.shape[1]=}, {k.shape[1]=}")
-  if segment_ids is not None:
-    if segment_ids.shape != q.shape[:2]:
-      raise ValueError(f"segment_ids must be [batch, seq]={q.shape[:2]}; got {segment_ids.shape=}")
-    if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
-      raise ValueError(f"segment_ids must be an integer array (0 = padding); got {segment_ids.dtype=}")
+  separate = isinstance(segment_ids, masks.SegmentIds)
+  if (causal or (segment_ids is not None and not separate)) and q.shape[1] != k.shape[1]:
+    raise ValueError(f"causal attention, or one segment_ids array for queries and keys, needs equal q and k "
+                     f"lengths; got {q.shape[1]=}, {k.shape[1]=} (pass SegmentIds(q=..., kv=...) for "
+                     "bidirectional attention with padding)")
+  if separate and causal:
+    raise ValueError("causal attention takes one segment_ids array for queries and keys; separate "
+                     "SegmentIds(q=..., kv=...) are for bidirectional attention (cross-attention, decode)")
+  ids = () if segment_ids is None else ((("segment_ids.q", segment_ids.q, q), ("segment_ids.kv", segment_ids.kv, k))
+                                        if separate else (("segment_ids", segment_ids, q),))
+  for name, x, like in ids:
+    if x.shape != like.shape[:2]:
+      raise ValueError(f"{name} must be [batch, seq]={like.shape[:2]}; got {name}.shape={x.shape}")
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+      raise ValueError(f"{name} must be an integer array (0 = padding); got {name}.dtype={x.dtype}")
   if stabilizer_name not in STABILIZERS:
     raise ValueError(f"stabilizer={stabilizer_name!r} must be one of {STABILIZERS}")
   if granularity not in GRANULARITIES:
@@ -208,17 +216,17 @@ def _attend_bwd(static, residuals, cotangents):
 _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
-def _xla_attention(q, k, v, segment_ids, *, causal, scale):
-  """Dense jax.nn attention under the same mask convention (padding rows return 0)."""
+def _xla_attention(q, k, v, segment_ids: masks.SegmentIds | None, *, causal, scale):
+  """Dense jax.nn attention under the same mask convention (rows that see no key return 0)."""
   mask = None
   if segment_ids is not None:
-    seg = jax.vmap(lambda s: masks.visible(jnp.arange(s.shape[0]), jnp.arange(s.shape[0]), s, s,
-                                           causal=causal, kv_len=None))(segment_ids)
+    seg = jax.vmap(lambda qs, ks: masks.visible(jnp.arange(qs.shape[0]), jnp.arange(ks.shape[0]), qs, ks,
+                                                causal=causal, kv_len=None))(segment_ids.q, segment_ids.kv)
     mask = seg[:, None]
     causal = False
   out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, scale=scale, implementation="xla")
   if segment_ids is not None:
-    out = jnp.where((segment_ids != 0)[:, :, None, None], out, 0)
+    out = jnp.where(mask.any(-1)[:, 0, :, None, None], out, 0)
   return out
 
 
@@ -227,7 +235,8 @@ def attention(q, k, v, segment_ids=None, *, causal=True, scale=None, stabilizer=
   """CLiS attention. q [B, S, Hq, D]; k, v [B, S, Hkv, D] with Hq a multiple of Hkv.
 
   segment_ids: [B, S] int for packed sequences; a query sees keys of its own id only, and
-    id 0 marks padding (such rows return 0).
+    id 0 marks padding (such rows return 0). Or `SegmentIds(q=[B, Sq], kv=[B, Sk])` when queries
+    and keys are padded differently (bidirectional only: cross-attention, decode).
   stabilizer: "clis" (fixed certified stabilizer, online fallback per tile or head) or
     "online" (the same kernel's online softmax: the speed baseline).
   granularity: "tile" (batch, head, q-block) or "head" (batch, head) certification.
@@ -242,6 +251,8 @@ def attention(q, k, v, segment_ids=None, *, causal=True, scale=None, stabilizer=
   Returns the output shaped like q, and with return_stats=True also an AttentionStats.
   """
   _validate(q, k, v, segment_ids, causal, stabilizer, granularity, tau)
+  separate_ids = isinstance(segment_ids, masks.SegmentIds)
+  segment_ids = masks.segment_ids_of(segment_ids)
   impl = _resolve_implementation(implementation, interpret, q)
   scale = float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1])
   if 0 in q.shape or 0 in k.shape:
@@ -264,7 +275,7 @@ def attention(q, k, v, segment_ids=None, *, causal=True, scale=None, stabilizer=
                      f"{backend.block_sizes_type.__module__}.BlockSizes; got {type(block_sizes).__name__}")
   multiple, head_dim = block_sizes.multiple, backend.padded_head_dim(q.shape[-1])
   qp, kp, vp = (_pad_seq(_pad_axis(x, 3, to=head_dim), multiple) for x in (q, k, v))
-  segp = None if segment_ids is None else _pad_seq(segment_ids.astype(jnp.int32), multiple)
+  segp = None if segment_ids is None else jax.tree.map(lambda x: _pad_seq(x.astype(jnp.int32), multiple), segment_ids)
   needs_kv_mask = kp.shape[1] != kv_seq_len and not causal and segment_ids is None
   static = _Static(impl, bool(causal), scale, kv_seq_len if needs_kv_mask else None, seq_len, block_sizes,
                    bool(interpret))
@@ -272,10 +283,12 @@ def attention(q, k, v, segment_ids=None, *, causal=True, scale=None, stabilizer=
   stab = None
   if stabilizer == "clis":
     stab = certificate.key_bounds(kp, vp, segp, causal=causal, tau=float(tau), block_q=block_sizes.tile,
-                                  seq_len=kv_seq_len)
-    if granularity == "head" or not backend.certifies_in_kernel:
+                                  seq_len=kv_seq_len, separate_ids=separate_ids)
+    # Kernels certify in their prologue with the row's own key as lower bound; separate ids need the
+    # XLA certificate's segment-mean lower bound instead.
+    if granularity == "head" or not backend.certifies_in_kernel or separate_ids:
       stab = certificate.certify_rows(qp, kp, segp, stab, causal=causal, scale=scale, granularity=granularity,
-                                      block_q=block_sizes.tile, seq_len=seq_len)
+                                      block_q=block_sizes.tile, seq_len=seq_len, separate_ids=separate_ids)
   out, tiles = _attend(static, qp, kp, vp, segp, stab)
   out = out[:, :seq_len, :, :q.shape[-1]]
   if not return_stats:

@@ -9,8 +9,31 @@ These functions are plain jnp so that every backend, Pallas kernels included, us
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SegmentIds:
+  """Segment ids of the queries, q [B, Sq], and of the keys, kv [B, Sk] (int; 0 = padding).
+
+  One [B, S] array passed to `attention` means the same ids for both; separate ids let queries
+  and keys be padded differently (cross-attention, decode against a padded cache).
+  """
+
+  q: jax.Array
+  kv: jax.Array
+
+
+def segment_ids_of(segment_ids) -> SegmentIds | None:
+  """SegmentIds from what callers pass: one [B, S] array (the same ids for queries and keys), a
+  SegmentIds, or None."""
+  if segment_ids is None or isinstance(segment_ids, SegmentIds):
+    return segment_ids
+  return SegmentIds(segment_ids, segment_ids)
 
 
 def visible(q_pos, k_pos, q_seg, k_seg, *, causal: bool, kv_len: int | None):
@@ -33,15 +56,19 @@ def visible(q_pos, k_pos, q_seg, k_seg, *, causal: bool, kv_len: int | None):
   return mask
 
 
-def key_is_real(segment_ids, num_keys: int, seq_len: int) -> jax.Array:
+def _is_real(ids, num: int, seq_len: int) -> jax.Array:
+  real = (jnp.arange(num) < seq_len)[None, :]
+  return real if ids is None else jnp.logical_and(real, ids != 0)
+
+
+def key_is_real(segment_ids: SegmentIds | None, num_keys: int, seq_len: int) -> jax.Array:
   """[B, Sk] (or [1, Sk]) bool: the key is neither block padding nor segment padding."""
-  real = (jnp.arange(num_keys) < seq_len)[None, :]
-  if segment_ids is not None:
-    real = jnp.logical_and(real, segment_ids != 0)
-  return real
+  return _is_real(None if segment_ids is None else segment_ids.kv, num_keys, seq_len)
 
 
-query_is_real = key_is_real
+def query_is_real(segment_ids: SegmentIds | None, num_queries: int, seq_len: int) -> jax.Array:
+  """[B, Sq] (or [1, Sq]) bool: the query is neither block padding nor segment padding."""
+  return _is_real(None if segment_ids is None else segment_ids.q, num_queries, seq_len)
 
 
 def causal_kv_blocks(q_block, *, block_q: int, block_k: int, num_kv_blocks: int, div):

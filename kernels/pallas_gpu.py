@@ -240,7 +240,7 @@ def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv
   args = [q, k, v]
   if segment_ids is not None:
     in_specs += [pl.BlockSpec((None, bq), seg_q_map), pl.BlockSpec((None, kv_seq), lambda i, b, h: (b, 0))]
-    args += [segment_ids, segment_ids]
+    args += [segment_ids.q, segment_ids.kv]
   if keys is not None:
     mode = "keys"
     if keys.centre.shape[1] == 1:  # one centre per (batch, kv head)

@@ -141,7 +141,7 @@ def backward(q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_s
   args = [q, k, v, do, lse, delta]
   if has_seg:
     in_specs += [pl.BlockSpec((None, bq), lambda i, b, h: (b, i)), pl.BlockSpec((None, kv_seq), lambda i, b, h: (b, 0))]
-    args += [segment_ids, segment_ids]
+    args += [segment_ids.q, segment_ids.kv]
   dq = pl.pallas_call(
       functools.partial(_dq_kernel, block_q=bq, block_k=bk, **common),
       grid=(seq // bq, batch, num_heads),

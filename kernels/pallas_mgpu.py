@@ -474,7 +474,7 @@ def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv
       overlap=bs.overlap)
   args = [q, k, v]
   if segment_ids is not None:  # key id 0 (padding) becomes −1: it then matches no query, padding included
-    args += [segment_ids.astype(jnp.int32), jnp.where(segment_ids == 0, -1, segment_ids).astype(jnp.int32)]
+    args += [segment_ids.q.astype(jnp.int32), jnp.where(segment_ids.kv == 0, -1, segment_ids.kv).astype(jnp.int32)]
   out_type = [out_struct(q.shape, q.dtype, q), out_struct((batch, num_heads, seq), jnp.float32, q)]
   if mode == "cert":  # the kernel reads the certificate per row, with M
     args += [jnp.where(_per_row(cert.certified, tile=bs.tile, seq=seq), cert.m, FAILED_TILE_M)]

@@ -326,7 +326,7 @@ def backward(q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_s
   delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32))
   args = [q, k, v, do, lse, delta]
   if segment_ids is not None:  # key id 0 (padding) becomes −1, as in the forward
-    args += [segment_ids.astype(jnp.int32), jnp.where(segment_ids == 0, -1, segment_ids).astype(jnp.int32)]
+    args += [segment_ids.q.astype(jnp.int32), jnp.where(segment_ids.kv == 0, -1, segment_ids.kv).astype(jnp.int32)]
   common = dict(causal=causal, sigma2=scale * LOG2E, scale=scale, slots=block_sizes.slots,
                 group=num_heads // num_kv_heads, has_segments=segment_ids is not None)
   q_tiles, kv_tiles = seq // (COMPUTE_WARPGROUPS * ROWS), kv_seq // (COMPUTE_WARPGROUPS * ROWS)

@@ -200,9 +200,9 @@ def to_head_major(x):
   return x.transpose(0, 2, 1, 3)
 
 
-def segment_operands(segment_ids):
-  """Query ids as [B, S, 1] (rows on sublanes) and key ids as [B, 1, S] (keys on lanes)."""
-  return segment_ids[:, :, None], segment_ids[:, None, :]
+def segment_operands(segment_ids: masks.SegmentIds):
+  """Query ids as [B, Sq, 1] (rows on sublanes) and key ids as [B, 1, Sk] (keys on lanes)."""
+  return segment_ids.q[:, :, None], segment_ids.kv[:, None, :]
 
 
 def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv_len, block_sizes: BlockSizes,

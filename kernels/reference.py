@@ -58,16 +58,16 @@ def _kv_blocks(x, block_k):
   return x.reshape(b, s // block_k, block_k, h, d).swapaxes(0, 1)  # [nk, B, bk, H, D]
 
 
-def _block_mask(segment_ids, start_k, block_k, num_q, *, causal, kv_len):
+def _block_mask(segment_ids: masks.SegmentIds | None, start_k, block_k, num_q, *, causal, kv_len):
   """[B or 1, Sq, bk] visibility of one kv block, or None when every key is visible."""
   q_pos = jnp.arange(num_q)
   k_pos = start_k + jnp.arange(block_k)
   if segment_ids is None:
     mask = masks.visible(q_pos, k_pos, None, None, causal=causal, kv_len=kv_len)
     return None if mask is None else mask[None]
-  k_seg = jax.lax.dynamic_slice_in_dim(segment_ids, start_k, block_k, axis=1)
+  k_seg = jax.lax.dynamic_slice_in_dim(segment_ids.kv, start_k, block_k, axis=1)
   return jax.vmap(lambda qs, ks: masks.visible(q_pos, k_pos, qs, ks, causal=causal, kv_len=kv_len))(
-      segment_ids, k_seg)
+      segment_ids.q, k_seg)
 
 
 def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv_len, block_sizes, interpret=False):

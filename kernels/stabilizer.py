@@ -115,8 +115,9 @@ def _per_segment(reduce, values: jax.Array, index: jax.Array) -> jax.Array:
 class KeyBounds:
   """What one pass over K and V gives, before any query is seen.
 
-  centre:    [B, 1, Hkv, D] f32, the median of sampled block means; [B, S, Hkv, D] when packed
-             and bidirectional: each position's (robust) segment mean.
+  centre:    [B, 1, Hkv, D] f32, the median of sampled block means; [B, Sq, Hkv, D] when packed
+             and bidirectional: each query's (robust) segment mean, or with separate query and
+             key ids the exact mean of the keys it sees.
   radius:    [B, Hkv, num_q_blocks] f32 when causal: max ‖k_j − c‖ over the key blocks (of
              block_q keys) up to the tile's diagonal; [B, Hkv, 1] otherwise (all keys).
   headroom:  [B, Hkv] f32, h.
@@ -156,13 +157,34 @@ def _robust_segment_mean(kf, key_valid, index):
   return mean(kf, valid & (dist <= 4.0 * mean(dist, valid)))
 
 
-def key_bounds(k, v, segment_ids, *, causal: bool, tau: float, block_q: int, seq_len: int) -> KeyBounds:
+def _segment_means(kf, key_valid, segment_ids: masks.SegmentIds):
+  """(centre at each key [B, Sk, Hkv, D], centre at each query [B, Sq, Hkv, D]): the exact mean of
+  each segment's real keys, so a query's centre is the mean of the keys it sees (0 if it sees none)."""
+  sq = segment_ids.q.shape[1]
+  index = _segment_index(jnp.concatenate([segment_ids.q, segment_ids.kv], axis=1))
+  q_index, k_index = index[:, :sq], index[:, sq:]
+  size = index.shape[1]
+  valid = key_valid[..., None, None]
+  sums = jax.vmap(lambda x, i: jax.ops.segment_sum(x, i, num_segments=size))(jnp.where(valid, kf, 0.0), k_index)
+  counts = jax.vmap(lambda x, i: jax.ops.segment_sum(x, i, num_segments=size))(
+      jnp.broadcast_to(valid, kf.shape[:3] + (1,)).astype(jnp.float32), k_index)
+  means = sums / jnp.maximum(counts, 1.0)  # [B, size, Hkv, D]
+  gather = jax.vmap(lambda m, i: m[i])
+  return gather(means, k_index), gather(means, q_index)
+
+
+def key_bounds(k, v, segment_ids: masks.SegmentIds | None, *, causal: bool, tau: float, block_q: int, seq_len: int,
+               separate_ids: bool = False) -> KeyBounds:
   """The pre-pass over K and V (a few fused reductions, no cumulative scans).
 
-  k, v: [B, Sk, Hkv, D] with Sk a multiple of block_q; segment_ids: [B, Sk] or None;
-  seq_len: number of real positions (the rest is block padding).
+  k, v: [B, Sk, Hkv, D] with Sk a multiple of block_q; segment_ids: SegmentIds, one [B, S] array
+  for both, or None;
+  seq_len: number of real keys (the rest is block padding). separate_ids (bidirectional only):
+  query and key ids differ, so no row's own key need be visible; the centre is then each query
+  segment's exact key mean [B, Sq, Hkv, D], which makes q·c a lower bound (max >= mean).
   """
   k, v = jax.lax.stop_gradient((k, v))
+  segment_ids = masks.segment_ids_of(segment_ids)
   kf = k.astype(jnp.float32)
   batch, sk, hkv, _ = k.shape
   if sk % block_q:
@@ -171,10 +193,12 @@ def key_bounds(k, v, segment_ids, *, causal: bool, tau: float, block_q: int, seq
 
   nb = sk // block_q
   if causal or segment_ids is None:
-    centre = _sampled_median_centre(k, key_valid, block_q)
+    centre = key_centre = _sampled_median_centre(k, key_valid, block_q)
+  elif separate_ids:
+    key_centre, centre = _segment_means(kf, key_valid, segment_ids)
   else:
-    centre = _robust_segment_mean(kf, key_valid, _segment_index(segment_ids))
-  dev = jnp.where(key_valid[..., None], jnp.linalg.norm(kf - centre, axis=-1), 0.0)  # [B, Sk, Hkv]
+    centre = key_centre = _robust_segment_mean(kf, key_valid, _segment_index(segment_ids.kv))
+  dev = jnp.where(key_valid[..., None], jnp.linalg.norm(kf - key_centre, axis=-1), 0.0)  # [B, Sk, Hkv]
   per_block = dev.reshape(batch, nb, block_q, hkv).max(2).transpose(0, 2, 1)  # [B, Hkv, nb]
   if causal:  # prefix max over blocks, as one masked reduction (nb is small)
     sees = jnp.arange(nb)[:, None] >= jnp.arange(nb)[None, :]  # [tile, block]
@@ -212,6 +236,7 @@ def stabilize(upper, lower, headroom, threshold, row_real=None):
 def headroom_and_floor(v, *, segment_ids, seq_len: int):
   """Headroom h [B, Hkv] and floor T (python float) from v's range, dtype and N = seq_len keys."""
   info = jnp.finfo(v.dtype)
+  segment_ids = masks.segment_ids_of(segment_ids)
   log2_n = math.ceil(math.log2(max(seq_len, 1)))
   key_valid = masks.key_is_real(segment_ids, v.shape[1], seq_len)
   vmax = jnp.where(key_valid[..., None, None], jnp.abs(v.astype(jnp.float32)), 0.0).max(axis=(1, 3))
@@ -222,21 +247,25 @@ def headroom_and_floor(v, *, segment_ids, seq_len: int):
 
 
 def certify(q, k, v, segment_ids, *, causal: bool, scale: float, tau: float, granularity: str,
-            block_q: int, seq_len: int) -> Certificate:
+            block_q: int, seq_len: int, kv_seq_len: int | None = None, separate_ids: bool = False) -> Certificate:
   """The whole pre-pass in XLA: `key_bounds`, then each row's bounds and the certificate."""
-  keys = key_bounds(k, v, segment_ids, causal=causal, tau=tau, block_q=block_q, seq_len=seq_len)
+  keys = key_bounds(k, v, segment_ids, causal=causal, tau=tau, block_q=block_q,
+                    seq_len=seq_len if kv_seq_len is None else kv_seq_len, separate_ids=separate_ids)
   return certify_rows(q, k, segment_ids, keys, causal=causal, scale=scale, granularity=granularity,
-                      block_q=block_q, seq_len=seq_len)
+                      block_q=block_q, seq_len=seq_len, separate_ids=separate_ids)
 
 
 def certify_rows(q, k, segment_ids, keys: KeyBounds, *, causal: bool, scale: float, granularity: str,
-                 block_q: int, seq_len: int) -> Certificate:
+                 block_q: int, seq_len: int, separate_ids: bool = False) -> Certificate:
   """Row bounds and the per-tile (or per-head) certificate, in XLA, from `key_bounds`.
 
-  q: [B, Sq, Hq, D] with Sq a multiple of block_q; k: [B, Sk, Hkv, D]. Not differentiated:
-  the stabilizer only shifts the softmax, which leaves its value and gradient unchanged.
+  q: [B, Sq, Hq, D] with Sq a multiple of block_q; k: [B, Sk, Hkv, D]; seq_len: the real query
+  length. The lower bound is the row's own key when it is visible (causal, or packed with one set of
+  ids), else q·c with c the mean of the keys it sees. Not differentiated: the stabilizer only
+  shifts the softmax, which leaves its value and gradient unchanged.
   """
   q, k = jax.lax.stop_gradient((q, k))
+  segment_ids = masks.segment_ids_of(segment_ids)
   batch, sq, hq, d = q.shape
   hkv = k.shape[2]
   group = hq // hkv
@@ -248,7 +277,8 @@ def certify_rows(q, k, segment_ids, keys: KeyBounds, *, causal: bool, scale: flo
   centre = jnp.broadcast_to(keys.centre, (batch, sq, hkv, d))[:, :, :, None]
   radius = jnp.broadcast_to(jnp.repeat(keys.radius, block_q, axis=-1) if causal else keys.radius,
                             (batch, hkv, sq)).transpose(0, 2, 1)[..., None]  # [B, Sq, Hkv, 1]
-  k_diag = k.astype(jnp.float32)[:, :, :, None] if (causal or segment_ids is not None) else None
+  own_key_visible = causal or (segment_ids is not None and not separate_ids)
+  k_diag = k.astype(jnp.float32)[:, :, :, None] if own_key_visible else None
   upper, lower = row_bounds(qg, centre, radius, k_diag, sigma2=scale * LOG2E)
   to_heads = lambda x: x.reshape(batch, sq, hq).transpose(0, 2, 1)
   upper, lower = to_heads(upper), to_heads(lower)

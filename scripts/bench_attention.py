@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from clis_kernels import api, attention, pallas_gpu, pallas_mgpu, pallas_tpu, reference, stabilizer
+from clis_kernels import api, attention, masks, pallas_gpu, pallas_mgpu, pallas_tpu, reference, stabilizer
 from clis_train import benchmarking
 
 
@@ -79,7 +79,7 @@ def _clis_kernel(q, k, v, seg, causal, quick):
   bs = pallas_gpu.default_block_sizes(q.shape[-1], q.shape[1], q.dtype)
   pad = lambda x: api._pad_seq(x, bs.multiple)
   qp, kp, vp = pad(q), pad(k), pad(v)
-  segp = None if seg is None else pad(seg)
+  segp = None if seg is None else masks.SegmentIds(pad(seg), pad(seg))
   kv_len = k.shape[1] if kp.shape[1] != k.shape[1] and not causal and seg is None else None
   keys = jax.jit(lambda k, v, s: stabilizer.key_bounds(k, v, s, causal=causal, tau=64.0, block_q=bs.tile,
                                                        seq_len=k.shape[1]))(kp, vp, segp)

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 import f64_reference as ref
-from clis_kernels import attention
+from clis_kernels import SegmentIds, attention
+from peer_cases import PEER_CASES, check_peer_case
 
 # Relative L2 error against float64: (forward, gradients).
 TOLERANCE = {jnp.float32: (1e-5, 5e-5), jnp.bfloat16: (1e-2, 2e-2)}
@@ -191,3 +192,124 @@ class AttentionTests:
     q, k, v, _ = random_inputs(6, 1, 64, 2, 1, 64, jnp.bfloat16)
     f = jax.jit(lambda q, k, v: self.run(q, k, v, causal=True))
     np.testing.assert_array_equal(np.asarray(f(q, k, v), np.float32), np.asarray(self.run(q, k, v), np.float32))
+
+  # Inputs other projects' suites found broken (issue 14, items 1-5), then their case families.
+
+  @pytest.mark.parametrize("seq_tiles", [1, 4])
+  def test_bidirectional_at_whole_tiles(self, seq_tiles):
+    """Bidirectional, unpacked, the length a multiple of every tile: no block needs a mask."""
+    seq = seq_tiles * (self.block_sizes.multiple if self.block_sizes else 32)
+    q, k, v, do = random_inputs(7, 1, seq, 4, 2, 64, jnp.float32)
+    want = ref.attention(q, k, v, do, causal=False)
+    for stabilizer in ("clis", "online"):
+      got = self.value_and_grads(q, k, v, do, None, causal=False, stabilizer=stabilizer)
+      assert ref.rel_err(got[0], want[0]) < TOLERANCE[jnp.float32][0], stabilizer
+      assert max(ref.rel_err(g, w) for g, w in zip(got[1:], want[1:])) < TOLERANCE[jnp.float32][1], stabilizer
+
+  @pytest.mark.parametrize("sq,sk", [(8, 100), (100, 40), (1, 130), (33, 64), (64, 200)])
+  def test_queries_and_keys_of_different_lengths(self, sq, sk):
+    """Cross-attention (video tokens -> text tokens) and decode-shaped calls, forward and gradients."""
+    kq, kk, kv, kd = jax.random.split(jax.random.PRNGKey(sq * 1000 + sk), 4)
+    q, do = (jax.random.normal(key, (2, sq, 4, 64)) for key in (kq, kd))
+    k, v = (jax.random.normal(key, (2, sk, 2, 64)) for key in (kk, kv))
+    want = ref.attention(q, k, v, do, causal=False)
+    for stabilizer in ("clis", "online"):
+      got = self.value_and_grads(q, k, v, do, None, causal=False, stabilizer=stabilizer)
+      assert got[0].shape == q.shape and got[2].shape == k.shape
+      assert ref.rel_err(got[0], want[0]) < TOLERANCE[jnp.float32][0], (stabilizer, ref.rel_err(got[0], want[0]))
+      assert max(ref.rel_err(g, w) for g, w in zip(got[1:], want[1:])) < TOLERANCE[jnp.float32][1], stabilizer
+    _, stats = self.run(q, k, v, causal=False, return_stats=True)
+    assert float(stats.certified_fraction) == 1.0
+
+  @pytest.mark.parametrize("causal", [True, False])
+  @pytest.mark.parametrize("stabilizer", ["clis", "online"])
+  def test_vmap_over_examples(self, causal, stabilizer):
+    """Per-example jax.vmap (how jax.nn's tests call attention) equals the batched call, with gradients."""
+    q, k, v, do = random_inputs(8, 3, 40, 4, 2, 64, jnp.float32)
+    one = lambda q, k, v: self.run(q[None], k[None], v[None], causal=causal, stabilizer=stabilizer)[0]
+    batched = lambda q, k, v: self.run(q, k, v, causal=causal, stabilizer=stabilizer)
+    out, vjp = jax.vjp(jax.vmap(one), q, k, v)
+    want, want_vjp = jax.vjp(batched, q, k, v)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-6, atol=1e-6)
+    for g, w in zip(vjp(do), want_vjp(do)):
+      np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+
+  @pytest.mark.parametrize("sq,sk", [(0, 0), (0, 16), (16, 0)])
+  def test_zero_length_sequences(self, sq, sk):
+    """S = 0: an empty output (and rows with no key give 0), zero gradients, empty stats."""
+    q = jnp.ones((2, sq, 4, 64), jnp.float32)
+    k = jnp.ones((2, sk, 2, 64), jnp.float32)
+    out, stats = self.run(q, k, k, causal=sq == sk, return_stats=True)
+    assert out.shape == q.shape and not bool(jnp.any(out))
+    assert stats.certified_tiles.shape[:2] == (2, 4)
+    grads = jax.grad(lambda q, k, v: self.run(q, k, v, causal=sq == sk).sum(), argnums=(0, 1, 2))(q, k, k)
+    assert [g.shape for g in grads] == [q.shape, k.shape, k.shape]
+    assert not any(bool(jnp.any(g)) for g in grads)
+    if sq == sk == 0:
+      np.testing.assert_array_equal(np.asarray(out), np.asarray(attention(q, k, k, implementation="xla")))
+
+  @pytest.mark.parametrize("d", [24, 40, 59, 80, 96, 111])
+  def test_head_dims_that_are_not_powers_of_two(self, d):
+    q, k, v, do = random_inputs(d, 1, 48, 4, 2, d, jnp.float32)
+    want = ref.attention(q, k, v, do, causal=True)
+    for stabilizer in ("clis", "online"):
+      got = self.value_and_grads(q, k, v, do, None, causal=True, stabilizer=stabilizer)
+      assert [g.shape for g in got] == [q.shape, q.shape, k.shape, v.shape]
+      assert ref.rel_err(got[0], want[0]) < TOLERANCE[jnp.float32][0], stabilizer
+      assert max(ref.rel_err(g, w) for g, w in zip(got[1:], want[1:])) < TOLERANCE[jnp.float32][1], stabilizer
+
+  @pytest.mark.slow
+  @pytest.mark.parametrize("case", PEER_CASES, ids=[c.name for c in PEER_CASES])
+  def test_peer_case_families(self, case):
+    """Other projects' families against float64, under their own tolerances (peer_cases.py)."""
+    check_peer_case(case, lambda *args, **kw: self.value_and_grads(*args, **kw))
+
+  def test_same_inputs_give_bit_identical_results(self):
+    """tokamax's determinism check: forward and gradients repeat bit for bit."""
+    q, k, v, do = random_inputs(9, 1, 72, 4, 2, 64, jnp.bfloat16)
+    first = self.value_and_grads(q, k, v, do, None, causal=True)
+    second = self.value_and_grads(q, k, v, do, None, causal=True)
+    for a, b in zip(first, second):
+      np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+  def test_nan_in_padded_positions_does_not_leak(self):
+    """tokamax's padding test: NaN queries and keys and huge values where segment id 0 pads."""
+    q, k, v, do = random_inputs(10, 2, 64, 4, 2, 64, jnp.float32)
+    seg = jnp.asarray([[1] * 40 + [0] * 24, [2] * 10 + [3] * 50 + [0] * 4], jnp.int32)
+    pad = (seg == 0)[:, :, None, None]
+    want = ref.attention(q, k, v, do, seg, causal=False)[0]
+    poisoned = (jnp.where(pad, jnp.nan, q), jnp.where(pad, jnp.nan, k), jnp.where(pad, jnp.finfo(jnp.float32).max, v))
+    for stabilizer in ("clis", "online"):
+      out = self.run(*poisoned, seg, causal=False, stabilizer=stabilizer)
+      assert ref.rel_err(out, want) < TOLERANCE[jnp.float32][0], stabilizer
+
+  @pytest.mark.parametrize("layout", ["cross", "same_length", "decode"])
+  def test_separate_query_and_key_segment_ids(self, layout):
+    """SegmentIds(q, kv): queries and keys padded differently (tokamax's / splash's q and kv ids)."""
+    if layout == "cross":  # video rows -> text keys, both padded, two examples per row
+      q_ids = [[1] * 30 + [2] * 26 + [0] * 8]
+      kv_ids = [[1] * 11 + [2] * 20 + [0] * 9]
+    elif layout == "same_length":  # the same documents, queries padded further than keys
+      q_ids = [[1] * 20 + [2] * 20 + [0] * 8]
+      kv_ids = [[1] * 24 + [2] * 22 + [0] * 2]
+    else:  # one query row per example against a padded cache
+      q_ids = [[1]]
+      kv_ids = [[1] * 70 + [0] * 30]
+    seg = SegmentIds(jnp.asarray(q_ids * 2, jnp.int32), jnp.asarray(kv_ids * 2, jnp.int32))
+    kq, kk, kv, kd = jax.random.split(jax.random.PRNGKey(len(layout)), 4)
+    sq, sk = seg.q.shape[1], seg.kv.shape[1]
+    q, do = (jax.random.normal(key, (2, sq, 4, 64)) for key in (kq, kd))
+    k, v = (jax.random.normal(key, (2, sk, 2, 64)) + 0.5 for key in (kk, kv))
+    want = ref.attention(q, k, v, do, seg, causal=False)
+    for stabilizer in ("clis", "online"):
+      got = self.value_and_grads(q, k, v, do, seg, causal=False, stabilizer=stabilizer)
+      assert ref.rel_err(got[0], want[0]) < TOLERANCE[jnp.float32][0], (stabilizer, ref.rel_err(got[0], want[0]))
+      assert max(ref.rel_err(g, w) for g, w in zip(got[1:], want[1:])) < TOLERANCE[jnp.float32][1], stabilizer
+      np.testing.assert_array_equal(np.asarray(got[0])[np.asarray(seg.q) == 0], 0.0)
+    _, stats = self.run(q, k, v, seg, causal=False, return_stats=True)
+    assert float(stats.certified_fraction) == 1.0
+    np.testing.assert_allclose(np.asarray(attention(q, k, v, seg, causal=False, implementation="xla")),
+                               np.asarray(want[0]), rtol=1e-5, atol=1e-5)
+    if sq == sk:
+      with pytest.raises(ValueError, match="causal attention takes one segment_ids"):
+        self.run(q, k, v, seg, causal=True)

@@ -6,13 +6,15 @@ import numpy as np
 
 
 def visible(s_q, s_k, segment_ids, causal):
-  """[B, Sq, Sk] bool under the library's convention (segment id 0 = padding)."""
+  """[B, Sq, Sk] bool under the library's convention (segment id 0 = padding). segment_ids: one
+  [B, S] array for queries and keys, or an object with .q [B, Sq] and .kv [B, Sk]."""
   mask = np.ones((1, s_q, s_k), bool)
   if causal:
     mask = mask & np.tril(np.ones((s_q, s_k), bool))[None]
   if segment_ids is not None:
-    seg = np.asarray(segment_ids)
-    mask = mask & (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] != 0)
+    q_ids = np.asarray(getattr(segment_ids, "q", segment_ids))
+    kv_ids = np.asarray(getattr(segment_ids, "kv", segment_ids))
+    mask = mask & (q_ids[:, :, None] == kv_ids[:, None, :]) & (kv_ids[:, None, :] != 0)
   return mask
 
 
@@ -44,3 +46,7 @@ def attention(q, k, v, do, segment_ids=None, *, causal, scale=None):
 def rel_err(got, want):
   got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
   return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-300))
+
+
+def max_abs_err(got, want):
+  return float(np.max(np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64)), initial=0.0))

@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import jax
 import pytest
 
 import f64_reference as ref
@@ -16,6 +17,12 @@ class TestPallasGpu(AttentionTests):
   # (at |logit| ~ 1e4 in f32 the dot's rounding, not the stabilizer, dominates the error).
   block_sizes = pallas_gpu.BlockSizes(block_q=32, block_k=16, block_k_fixed=16, block_q_dq=16, block_k_dq=32,
                                       block_q_dkv=32, block_k_dkv=16, num_warps=4, num_stages=2)
+
+
+@pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="the compiled Triton kernels need an NVIDIA GPU")
+class TestPallasGpuCompiled(TestPallasGpu):
+  """The same tests with the kernels compiled by Triton (on the H200: JAX_PLATFORMS=cuda pytest ...)."""
+  interpret = False
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c[0] in ("causal_packed_gqa4_d128_bf16", "bidir_gqa8_d64_bf16_odd")],

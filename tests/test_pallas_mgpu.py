@@ -14,6 +14,7 @@ import pytest
 
 import f64_reference as ref
 from attention_base import CLIS_VS_ONLINE, TOLERANCE, lower_for_h200, packed_segments, random_inputs
+from peer_cases import PEER_CASES, check_peer_case
 from clis_kernels import attention, pallas_gpu, pallas_mgpu, pallas_mgpu_vjp
 
 ON_GPU = jax.devices()[0].platform == "gpu"
@@ -104,7 +105,7 @@ def test_mosaic_backward_block_sizes_are_validated():
 
 @pytest.mark.parametrize("kwargs,message", [
     (dict(dtype=jnp.float32), "needs bfloat16 or float16"),
-    (dict(d=96), "head_dim=96 must be one of"),
+    (dict(d=256), "head_dim=256 must be at most 128"),
     (dict(interpret=True), "has no interpret mode"),
     (dict(scale=-1.0), "must be positive"),
 ])
@@ -315,3 +316,62 @@ def test_packed_kernel_bounds_cover_every_visible_key(causal):
   radius = bounds[0, :, 0].T  # [rows, Hkv]
   real = (seg[0] != 0)[:, None, None]
   assert bool(jnp.all(jnp.where(visible[..., None] & real, dist <= radius[:, None, :] + 1e-4, True)))
+
+
+# Other projects' case families (peer_cases.py) and the inputs they found broken (issue 14).
+
+@needs_gpu
+@pytest.mark.parametrize("case", PEER_CASES, ids=[c.name for c in PEER_CASES])
+def test_peer_case_families_on_gpu(case):
+  """Where the Mosaic GPU kernels take the case (bf16/f16, head dim <= 128, padded), its suite's
+  tolerances against float64; elsewhere one clear error."""
+  def value_and_grads(q, k, v, do, seg, **kw):
+    out, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, seg, implementation="pallas_mgpu", **kw), q, k, v)
+    return (out, *vjp(do))
+
+  if not pallas_mgpu.supports(case.dtype, case.d):
+    q = jnp.zeros((1, 128, 2, case.d), case.dtype)
+    with pytest.raises(ValueError, match="needs bfloat16 or float16|must be at most 128"):
+      attention(q, q, q, implementation="pallas_mgpu")
+    return
+  check_peer_case(case, value_and_grads)
+
+
+@needs_gpu
+@pytest.mark.parametrize("sq,sk", [(8, 1000), (1, 1024), (1000, 300), (512, 256), (300, 4096)])
+def test_queries_and_keys_of_different_lengths_on_gpu(sq, sk):
+  kq, kk, kv, kd = jax.random.split(jax.random.PRNGKey(sq + sk), 4)
+  q, do = (jax.random.normal(key, (2, sq, 8, 128), jnp.bfloat16) for key in (kq, kd))
+  k, v = (jax.random.normal(key, (2, sk, 2, 128), jnp.bfloat16) for key in (kk, kv))
+  want = ref.attention(q, k, v, do, causal=False)
+  for stabilizer in ("clis", "online"):
+    f = lambda q, k, v: attention(q, k, v, causal=False, stabilizer=stabilizer, implementation="pallas_mgpu")
+    out, vjp = jax.vjp(f, q, k, v)
+    got = (out, *vjp(do))
+    errors = [ref.rel_err(g, w) for g, w in zip(got, want)]
+    assert errors[0] < TOLERANCE[jnp.bfloat16][0] and max(errors[1:]) < TOLERANCE[jnp.bfloat16][1], (stabilizer, errors)
+
+
+@needs_gpu
+@pytest.mark.parametrize("d", [40, 80, 96, 111])
+def test_head_dims_padded_to_the_kernels_on_gpu(d):
+  q, k, v, do = random_inputs(d, 1, 1000, 4, 2, d, jnp.bfloat16)
+  want = ref.attention(q, k, v, do, causal=True)
+  f = lambda q, k, v: attention(q, k, v, causal=True, implementation="pallas_mgpu")
+  out, vjp = jax.vjp(f, q, k, v)
+  errors = [ref.rel_err(g, w) for g, w in zip((out, *vjp(do)), want)]
+  assert errors[0] < TOLERANCE[jnp.bfloat16][0] and max(errors[1:]) < TOLERANCE[jnp.bfloat16][1], errors
+
+
+@needs_gpu
+def test_vmap_and_zero_length_on_gpu():
+  q, k, v, do = random_inputs(11, 3, 300, 4, 2, 64, jnp.bfloat16)
+  one = lambda q, k, v: attention(q[None], k[None], v[None], implementation="pallas_mgpu")[0]
+  batched = lambda q, k, v: attention(q, k, v, implementation="pallas_mgpu")
+  out, vjp = jax.vjp(jax.vmap(one), q, k, v)
+  want, want_vjp = jax.vjp(batched, q, k, v)
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
+  for g, w in zip(vjp(do), want_vjp(do)):
+    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+  empty = jnp.zeros((1, 0, 4, 64), jnp.bfloat16)
+  assert attention(empty, empty, empty, implementation="pallas_mgpu").shape == empty.shape
