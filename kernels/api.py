@@ -29,6 +29,7 @@ class Backend(NamedTuple):
   platforms: tuple[str, ...]  # platforms that run it compiled (others need interpret=True)
   certifies_in_kernel: bool  # takes KeyBounds and certifies each tile itself (no pre-pass over q)
   padded_head_dim: Callable[[int], int] = lambda d: d  # head dim it runs at (the API zero-pads up to it)
+  window_and_soft_cap: bool = True  # takes local windows and logits soft-capping
 
 
 def _pallas_gpu() -> Backend:
@@ -40,7 +41,7 @@ def _pallas_gpu() -> Backend:
 def _pallas_mgpu() -> Backend:
   from clis_kernels import pallas_mgpu
   return Backend(pallas_mgpu.forward, pallas_mgpu.backward, pallas_mgpu.BlockSizes,
-                 pallas_mgpu.default_block_sizes, ("gpu",), True, pallas_mgpu.padded_head_dim)
+                 pallas_mgpu.default_block_sizes, ("gpu",), True, pallas_mgpu.padded_head_dim, False)
 
 
 def _pallas_tpu() -> Backend:
@@ -92,6 +93,8 @@ class _Static:
   seq_len: int
   block_sizes: Any
   interpret: bool
+  window: tuple[int, int] | None = None
+  softcap: float | None = None
 
 
 def _platform() -> str:
@@ -102,10 +105,10 @@ def _gpu_is_hopper() -> bool:
   return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9")
 
 
-def _resolve_implementation(implementation, interpret, q) -> str:
+def _resolve_implementation(implementation, interpret, q, window_or_cap: bool = False) -> str:
   if implementation is None:
     auto = _AUTO.get(_platform(), "reference")
-    if auto == "pallas_gpu" and _gpu_is_hopper():
+    if auto == "pallas_gpu" and _gpu_is_hopper() and not window_or_cap:
       from clis_kernels import pallas_mgpu
       if pallas_mgpu.supports(q.dtype, q.shape[-1]):
         return "pallas_mgpu"  # the Mosaic GPU kernels: the fastest forward and backward on an H200
@@ -122,7 +125,8 @@ def _resolve_implementation(implementation, interpret, q) -> str:
   return implementation
 
 
-def _validate(q, k, v, segment_ids, causal, stabilizer_name, granularity, tau):
+def _validate(q, k, v, segment_ids, causal, stabilizer_name, granularity, tau, local_window_size=None,
+              logits_soft_cap=None):
   for name, x in (("q", q), ("k", k), ("v", v)):
     if x.ndim != 4:
       raise ValueError(f"{name} must be [batch, seq, heads, head_dim]; got {name}.shape={x.shape}")
@@ -157,6 +161,16 @@ def _validate(q, k, v, segment_ids, causal, stabilizer_name, granularity, tau):
     raise ValueError(f"{granularity=} must be one of {GRANULARITIES}")
   if not tau > 0:
     raise ValueError(f"{tau=} must be positive (natural-log units; default 64.0)")
+  if logits_soft_cap is not None and not (isinstance(logits_soft_cap, (int, float)) and logits_soft_cap > 0):
+    raise ValueError(f"{logits_soft_cap=} must be a positive number (logits become c·tanh(s / c)) or None")
+  if local_window_size is not None:
+    pair = (local_window_size,) * 2 if isinstance(local_window_size, int) else tuple(local_window_size)
+    if len(pair) != 2 or not all(isinstance(w, int) and w >= 0 for w in pair):
+      raise ValueError(f"{local_window_size=} must be an int w >= 0 or a pair (left, right) of them: query i sees "
+                       "keys i - left .. i + right")
+    if q.shape[1] != k.shape[1] or separate:
+      raise ValueError(f"local_window_size needs equal q and k lengths and one segment_ids array; got "
+                       f"{q.shape[1]=}, {k.shape[1]=}")
 
 
 def _pad_axis(x, axis, multiple=None, *, to=None, value=0):
@@ -191,7 +205,7 @@ def _attend(static: _Static, q, k, v, segment_ids, stab):
 def _forward(static, q, k, v, segment_ids, stab):
   backend = BACKENDS[static.backend]()
   kw = dict(causal=static.causal, scale=static.scale, kv_len=static.kv_len, block_sizes=static.block_sizes,
-            interpret=static.interpret)
+            window=static.window, softcap=static.softcap, interpret=static.interpret)
   if isinstance(stab, certificate.KeyBounds):
     return backend.forward(q, k, v, segment_ids, None, keys=stab, seq_len=static.seq_len, **kw)
   return backend.forward(q, k, v, segment_ids, stab, **kw)
@@ -207,8 +221,8 @@ def _attend_bwd(static, residuals, cotangents):
   do, _ = cotangents  # the certified-tile flags carry no gradient
   backend = BACKENDS[static.backend]()
   dq, dk, dv = backend.backward(q, k, v, segment_ids, o, lse, do, causal=static.causal, scale=static.scale,
-                                kv_len=static.kv_len, block_sizes=static.block_sizes,
-                                interpret=static.interpret)
+                                kv_len=static.kv_len, block_sizes=static.block_sizes, window=static.window,
+                                softcap=static.softcap, interpret=static.interpret)
   zero_stab = jax.tree.map(lambda x: jnp.zeros_like(x) if jnp.issubdtype(x.dtype, jnp.floating) else None, stab)
   return dq, dk, dv, None, zero_stab
 
@@ -216,27 +230,42 @@ def _attend_bwd(static, residuals, cotangents):
 _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
-def _xla_attention(q, k, v, segment_ids: masks.SegmentIds | None, *, causal, scale):
-  """Dense jax.nn attention under the same mask convention (rows that see no key return 0)."""
-  mask = None
-  if segment_ids is not None:
-    seg = jax.vmap(lambda qs, ks: masks.visible(jnp.arange(qs.shape[0]), jnp.arange(ks.shape[0]), qs, ks,
-                                                causal=causal, kv_len=None))(segment_ids.q, segment_ids.kv)
-    mask = seg[:, None]
-    causal = False
-  out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, scale=scale, implementation="xla")
-  if segment_ids is not None:
-    out = jnp.where(mask.any(-1)[:, 0, :, None, None], out, 0)
+def _xla_attention(q, k, v, segment_ids: masks.SegmentIds | None, *, causal, scale, window, softcap):
+  """Dense attention under the same mask convention (rows that see no key return 0): jax.nn's, or
+  with a soft cap the same in plain jnp (jax.nn has no soft cap)."""
+  q_pos, k_pos = jnp.arange(q.shape[1]), jnp.arange(k.shape[1])
+  if segment_ids is None:
+    mask = masks.visible(q_pos, k_pos, None, None, causal=causal, kv_len=None, window=window)
+    mask = None if mask is None else mask[None, None]
+  else:
+    mask = jax.vmap(lambda qs, ks: masks.visible(q_pos, k_pos, qs, ks, causal=causal, kv_len=None, window=window))(
+        segment_ids.q, segment_ids.kv)[:, None]
+  if softcap is None:
+    out = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation="xla")
+  else:
+    group = q.shape[2] // k.shape[2]
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, jnp.repeat(k, group, axis=2), preferred_element_type=jnp.float32)
+    s = softcap * jnp.tanh(s * scale / softcap)
+    p = jax.nn.softmax(s if mask is None else jnp.where(mask, s, -jnp.inf), axis=-1)
+    out = jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), jnp.repeat(v, group, axis=2),
+                     preferred_element_type=jnp.float32).astype(q.dtype)
+  if mask is not None:
+    out = jnp.where(jnp.moveaxis(mask.any(-1), 1, 2)[..., None], out, 0)
   return out
 
 
-def attention(q, k, v, segment_ids=None, *, causal=True, scale=None, stabilizer="clis", granularity="tile",
-              tau=64.0, implementation=None, block_sizes=None, interpret=False, return_stats=False):
+def attention(q, k, v, segment_ids=None, *, causal=True, scale=None, local_window_size=None, logits_soft_cap=None,
+              stabilizer="clis", granularity="tile", tau=64.0, implementation=None, block_sizes=None, interpret=False,
+              return_stats=False):
   """CLiS attention. q [B, S, Hq, D]; k, v [B, S, Hkv, D] with Hq a multiple of Hkv.
 
   segment_ids: [B, S] int for packed sequences; a query sees keys of its own id only, and
     id 0 marks padding (such rows return 0). Or `SegmentIds(q=[B, Sq], kv=[B, Sk])` when queries
     and keys are padded differently (bidirectional only: cross-attention, decode).
+  local_window_size: jax.nn's: an int w (query i sees keys i − w .. i + w) or (left, right); with
+    causal=True the right side is 0. Needs equal q and k lengths.
+  logits_soft_cap: c, logits become c·tanh(s / c) (Gemma 2, tokamax); the certificate then holds
+    for every tile whenever c <= tau / 2 (stabilizer.py).
   stabilizer: "clis" (fixed certified stabilizer, online fallback per tile or head) or
     "online" (the same kernel's online softmax: the speed baseline).
   granularity: "tile" (batch, head, q-block) or "head" (batch, head) certification.
@@ -250,23 +279,28 @@ def attention(q, k, v, segment_ids=None, *, causal=True, scale=None, stabilizer=
   interpret: run a Pallas backend in Pallas interpret mode (on the CPU).
   Returns the output shaped like q, and with return_stats=True also an AttentionStats.
   """
-  _validate(q, k, v, segment_ids, causal, stabilizer, granularity, tau)
+  _validate(q, k, v, segment_ids, causal, stabilizer, granularity, tau, local_window_size, logits_soft_cap)
   separate_ids = isinstance(segment_ids, masks.SegmentIds)
   segment_ids = masks.segment_ids_of(segment_ids)
-  impl = _resolve_implementation(implementation, interpret, q)
+  window = masks.as_window(local_window_size, causal=causal)
+  softcap = None if logits_soft_cap is None else float(logits_soft_cap)
+  impl = _resolve_implementation(implementation, interpret, q, window is not None or softcap is not None)
   scale = float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1])
   if 0 in q.shape or 0 in k.shape:
     return _empty_attention(q, return_stats)
   if impl == "xla":
     if block_sizes is not None:
       raise ValueError("block_sizes has no meaning for implementation='xla'; leave it None")
-    out = _xla_attention(q, k, v, segment_ids, causal=causal, scale=scale)
+    out = _xla_attention(q, k, v, segment_ids, causal=causal, scale=scale, window=window, softcap=softcap)
     if not return_stats:
       return out
     none = jnp.zeros((q.shape[0], q.shape[2], 1), bool)
     return out, AttentionStats(none, jnp.zeros(()), jnp.zeros(q.shape[2]))
 
   backend = BACKENDS[impl]()
+  if (window is not None or softcap is not None) and not backend.window_and_soft_cap:
+    raise ValueError(f"implementation={impl!r} has no local window or logits soft cap; use 'pallas_gpu' "
+                     "(or implementation=None, which picks it)")
   seq_len, kv_seq_len = q.shape[1], k.shape[1]
   if block_sizes is None:
     block_sizes = backend.default_block_sizes(q.shape[-1], max(seq_len, kv_seq_len), q.dtype)
@@ -278,17 +312,18 @@ def attention(q, k, v, segment_ids=None, *, causal=True, scale=None, stabilizer=
   segp = None if segment_ids is None else jax.tree.map(lambda x: _pad_seq(x.astype(jnp.int32), multiple), segment_ids)
   needs_kv_mask = kp.shape[1] != kv_seq_len and not causal and segment_ids is None
   static = _Static(impl, bool(causal), scale, kv_seq_len if needs_kv_mask else None, seq_len, block_sizes,
-                   bool(interpret))
+                   bool(interpret), window, softcap)
 
   stab = None
   if stabilizer == "clis":
     stab = certificate.key_bounds(kp, vp, segp, causal=causal, tau=float(tau), block_q=block_sizes.tile,
-                                  seq_len=kv_seq_len, separate_ids=separate_ids)
+                                  seq_len=kv_seq_len, separate_ids=separate_ids, window=window)
     # Kernels certify in their prologue with the row's own key as lower bound; separate ids need the
     # XLA certificate's segment-mean lower bound instead.
     if granularity == "head" or not backend.certifies_in_kernel or separate_ids:
       stab = certificate.certify_rows(qp, kp, segp, stab, causal=causal, scale=scale, granularity=granularity,
-                                      block_q=block_sizes.tile, seq_len=seq_len, separate_ids=separate_ids)
+                                      block_q=block_sizes.tile, seq_len=seq_len, separate_ids=separate_ids,
+                                      window=window, softcap=softcap)
   out, tiles = _attend(static, qp, kp, vp, segp, stab)
   out = out[:, :seq_len, :, :q.shape[-1]]
   if not return_stats:

@@ -36,11 +36,12 @@ def segment_ids_of(segment_ids) -> SegmentIds | None:
   return SegmentIds(segment_ids, segment_ids)
 
 
-def visible(q_pos, k_pos, q_seg, k_seg, *, causal: bool, kv_len: int | None):
+def visible(q_pos, k_pos, q_seg, k_seg, *, causal: bool, kv_len: int | None, window=None):
   """[Bq, Bk] bool for query positions q_pos [Bq] and key positions k_pos [Bk].
 
   q_seg/k_seg: segment ids of those positions, or None. kv_len: keys at or past it are
-  hidden (None when nothing needs hiding by position).
+  hidden (None when nothing needs hiding by position). window: (left, right), a query at i sees
+  keys i − left ≤ j ≤ i + right only (local attention), or None.
   """
   mask = None
 
@@ -53,7 +54,37 @@ def visible(q_pos, k_pos, q_seg, k_seg, *, causal: bool, kv_len: int | None):
     mask = both(mask, jnp.logical_and(q_seg[:, None] == k_seg[None, :], k_seg[None, :] != 0))
   if kv_len is not None:
     mask = both(mask, k_pos[None, :] < kv_len)
+  if window is not None:
+    left, right = window
+    offset = k_pos[None, :] - q_pos[:, None]
+    mask = both(mask, jnp.logical_and(offset >= -left, offset <= right))
   return mask
+
+
+def as_window(local_window_size, *, causal: bool):
+  """(left, right) from jax.nn's `local_window_size` (an int w means (w, w); causal caps right at 0),
+  or None."""
+  if local_window_size is None:
+    return None
+  left, right = (local_window_size, local_window_size) if isinstance(local_window_size, int) else local_window_size
+  return (int(left), 0 if causal else int(right))
+
+
+def window_kv_blocks(q_block, *, window, block_q: int, block_k: int, num_kv_blocks: int, div):
+  """(first, end): the kv blocks [first, end) that hold keys some row of q block `q_block` sees
+  under the local window (left, right); all of them take the mask."""
+  left, right = window
+  first = jnp.maximum(div(q_block * block_q - left, block_k), 0)
+  end = jnp.minimum(div((q_block + 1) * block_q - 1 + right, block_k) + 1, num_kv_blocks)
+  return first, end
+
+
+def window_q_blocks(kv_block, *, window, block_q: int, block_k: int, num_q_blocks: int, div):
+  """(first, end): the q blocks [first, end) with rows that see some key of kv block `kv_block`."""
+  left, right = window
+  first = jnp.maximum(div(kv_block * block_k - right, block_q), 0)
+  end = jnp.minimum(div((kv_block + 1) * block_k - 1 + left, block_q) + 1, num_q_blocks)
+  return first, end
 
 
 def _is_real(ids, num: int, seq_len: int) -> jax.Array:

@@ -22,7 +22,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from clis_kernels import masks
 from clis_kernels.common import dot_precision, out_struct
-from clis_kernels.stabilizer import EMPTY_LSE, LOG2E, NEG, Certificate, KeyBounds, row_bounds, stabilize
+from clis_kernels.stabilizer import EMPTY_LSE, LOG2E, NEG, Certificate, KeyBounds, row_bounds, soft_cap, stabilize
 
 SUM_COLUMNS = 16  # width of the ones matrix the fixed path sums its weights with (Triton's minimum dot N)
 
@@ -92,7 +92,7 @@ def default_block_sizes(head_dim: int, seq_len: int, dtype) -> BlockSizes:
   return BlockSizes(fit(64), fit(32), fit(32), 8, 2, **bwd(32, 4, 1))
 
 
-def certify_tile(q, centre, radius, headroom, threshold, k_diag, row_real, *, sigma2: float):
+def certify_tile(q, centre, radius, headroom, threshold, k_diag, row_real, *, sigma2: float, cap2=None):
   """(M [block_q], certified) of one q tile, from its rows and the K/V pre-pass (stabilizer.py).
 
   q [block_q, D]; centre [D] or [block_q, D]; radius, headroom, threshold (1,); k_diag [block_q, D]
@@ -100,7 +100,7 @@ def certify_tile(q, centre, radius, headroom, threshold, k_diag, row_real, *, si
   """
   centre = centre.astype(jnp.float32)
   upper, lower = row_bounds(q.astype(jnp.float32), centre if centre.ndim == 2 else centre[None, :], radius,
-                            None if k_diag is None else k_diag.astype(jnp.float32), sigma2=sigma2)
+                            None if k_diag is None else k_diag.astype(jnp.float32), sigma2=sigma2, cap2=cap2)
   m, row_ok = stabilize(upper, lower, headroom, threshold, row_real)
   return m, jnp.sum((~row_ok).astype(jnp.int32)) == 0
 
@@ -138,7 +138,7 @@ def write_outputs(acc, m, l, certified, o_ref, lse_ref, tiles_ref):
 
 
 def _fwd_kernel(*refs, has_segments: bool, mode: str, causal: bool, sigma2: float, block_q: int, block_k: int,
-                block_k_fixed: int, kv_len: int | None, seq_len: int, num_q_blocks: int, precision):
+                block_k_fixed: int, kv_len: int | None, seq_len: int, num_q_blocks: int, precision, window, cap2):
   q_ref, k_ref, v_ref = refs[:3]
   qseg_ref, kseg_ref = refs[3:5] if has_segments else (None, None)
   stab_refs, (o_ref, lse_ref, tiles_ref) = refs[3 + 2 * has_segments:-3], refs[-3:]
@@ -150,11 +150,11 @@ def _fwd_kernel(*refs, has_segments: bool, mode: str, causal: bool, sigma2: floa
 
   def scores(start_k, block, masked):
     k = k_ref[pl.ds(start_k * block, block), :]
-    s = plgpu.dot(q, k, trans_b=True, precision=precision) * sigma2
+    s = soft_cap(plgpu.dot(q, k, trans_b=True, precision=precision) * sigma2, cap2)
     if masked:
       k_pos = start_k * block + jnp.arange(block)
       k_seg = None if kseg_ref is None else kseg_ref[pl.ds(start_k * block, block)]
-      mask = masks.visible(q_pos, k_pos, q_seg, k_seg, causal=causal, kv_len=kv_len)
+      mask = masks.visible(q_pos, k_pos, q_seg, k_seg, causal=causal, kv_len=kv_len, window=window)
       s = s if mask is None else jnp.where(mask, s, NEG)
     return s
 
@@ -172,12 +172,16 @@ def _fwd_kernel(*refs, has_segments: bool, mode: str, causal: bool, sigma2: floa
   def run(body, block, m0, l0):
     # Blocks [0, num_full) need no mask unless segments hide keys; [num_full, num_total) do.
     num_kv_blocks = k_ref.shape[0] // block
+    carry = (jnp.zeros(o_ref.shape, jnp.float32), m0, l0)
+    if window is not None:  # only the blocks of the window's band, every one masked
+      first, end = masks.window_kv_blocks(q_block, window=window, block_q=block_q, block_k=block,
+                                          num_kv_blocks=num_kv_blocks, div=lax.div)
+      return lax.fori_loop(first, end, functools.partial(body, masked=True), carry)
     if causal:
       num_full, num_total = masks.causal_kv_blocks(q_block, block_q=block_q, block_k=block,
                                                     num_kv_blocks=num_kv_blocks, div=lax.div)
     else:
       num_full, num_total = masks.bidirectional_kv_blocks(kv_len=kv_len, block_k=block, num_kv_blocks=num_kv_blocks)
-    carry = (jnp.zeros(o_ref.shape, jnp.float32), m0, l0)
     carry = lax.fori_loop(0, num_full, functools.partial(body, masked=qseg_ref is not None), carry)
     return lax.fori_loop(num_full, num_total, functools.partial(body, masked=True), carry)
 
@@ -194,12 +198,13 @@ def _fwd_kernel(*refs, has_segments: bool, mode: str, causal: bool, sigma2: floa
   else:
     if mode == "keys":  # certificate from this tile's rows, no pre-pass over q
       centre_ref, radius_ref, headroom_ref, threshold_ref = stab_refs
-      k_diag = k_ref[pl.ds(q_block * block_q, block_q), :] if (causal or has_segments) else None
+      own_key = causal or has_segments or window is not None
+      k_diag = k_ref[pl.ds(q_block * block_q, block_q), :] if own_key else None
       row_real = q_pos < seq_len
       if q_seg is not None:
         row_real = row_real & (q_seg != 0)
       m0, certified = certify_tile(q, centre_ref[...], radius_ref[...], headroom_ref[...], threshold_ref[...],
-                                   k_diag, row_real, sigma2=sigma2)
+                                   k_diag, row_real, sigma2=sigma2, cap2=cap2)
     else:  # "cert": m and the tile's certificate from the XLA pre-pass
       m_ref, cert_ref = stab_refs
       m0, certified = m_ref[...], jnp.sum(cert_ref[...]) > 0
@@ -208,11 +213,12 @@ def _fwd_kernel(*refs, has_segments: bool, mode: str, causal: bool, sigma2: floa
 
 
 def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv_len, block_sizes: BlockSizes,
-            keys: KeyBounds | None = None, seq_len: int | None = None, interpret=False):
+            keys: KeyBounds | None = None, seq_len: int | None = None, window=None, softcap=None, interpret=False):
   """Returns (o [B, S, Hq, D], lse [B, Hq, S] f32 base 2, certified tiles [B, Hq, nq] bool or None).
 
   The stabilizer comes from `cert` (XLA pre-pass) or, preferably, `keys` (the kernel
-  certifies each tile from its own rows); neither runs the online softmax. seq_len: the
+  certifies each tile from its own rows); neither runs the online softmax. window: local
+  (left, right) or None; softcap: c of c·tanh(s / c) or None. seq_len: the
   real query length (rows past it are block padding), needed with `keys`.
   """
   batch, seq, num_heads, head_dim = q.shape
@@ -247,7 +253,7 @@ def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv
       in_specs.append(pl.BlockSpec((None, None, None, head_dim), lambda i, b, h: (b, 0, h // group, 0)))
     else:  # bidirectional packed: each query position's segment centre
       in_specs.append(pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (*qmap(i, b, h)[:2], h // group, 0)))
-    tile_of = (lambda i, b, h: (b, h // group, nq - 1 - i)) if keys.radius.shape[-1] > 1 else kv_head_scalar
+    tile_of = (lambda i, b, h: (b, h // group, qmap(i, b, h)[1])) if keys.radius.shape[-1] > 1 else kv_head_scalar
     in_specs += [pl.BlockSpec((None, None, 1), tile_of)] + [pl.BlockSpec((None, None, 1), kv_head_scalar)] * 2
     args += [keys.centre, keys.radius, keys.headroom[..., None], keys.threshold[..., None]]
   elif cert is not None:
@@ -259,7 +265,8 @@ def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv
   kernel = functools.partial(
       _fwd_kernel, has_segments=segment_ids is not None, mode=mode, causal=causal, sigma2=scale * LOG2E,
       block_q=bq, block_k=block_sizes.block_k, block_k_fixed=block_sizes.block_k_fixed, kv_len=kv_len,
-      seq_len=seq if seq_len is None else seq_len, num_q_blocks=nq, precision=dot_precision(q.dtype))
+      seq_len=seq if seq_len is None else seq_len, num_q_blocks=nq, precision=dot_precision(q.dtype), window=window,
+      cap2=None if softcap is None else softcap * LOG2E)
   o, lse, tiles = pl.pallas_call(
       kernel,
       grid=(nq, batch, num_heads),

@@ -20,7 +20,7 @@ from jax.experimental.pallas import triton as plgpu
 from clis_kernels import masks
 from clis_kernels.common import dot_precision, out_struct
 from clis_kernels.pallas_gpu import BlockSizes
-from clis_kernels.stabilizer import LOG2E, NEG
+from clis_kernels.stabilizer import LOG2E, NEG, soft_cap
 
 
 def _split(refs, has_segments, num_in):
@@ -30,15 +30,25 @@ def _split(refs, has_segments, num_in):
   return ins, None, None, outs
 
 
-def _probabilities(q, k, lse, q_pos, k_pos, q_seg, k_seg, *, masked, causal, kv_len, sigma2, precision):
+def _probabilities(q, k, lse, q_pos, k_pos, q_seg, k_seg, *, masked, causal, kv_len, window, sigma2, cap2,
+                   precision):
+  """(P, dcap): the block's probabilities and the soft cap's derivative 1 − tanh²(s/c) (None without)."""
   s = plgpu.dot(q, k, trans_b=True, precision=precision) * sigma2
-  mask = masks.visible(q_pos, k_pos, q_seg, k_seg, causal=causal, kv_len=kv_len) if masked else None
+  capped = soft_cap(s, cap2)
+  mask = masks.visible(q_pos, k_pos, q_seg, k_seg, causal=causal, kv_len=kv_len, window=window) if masked else None
   if mask is not None:
-    s = jnp.where(mask, s, NEG)
-  return jnp.exp2(s - lse[:, None])
+    capped = jnp.where(mask, capped, NEG)
+  dcap = None if cap2 is None else 1.0 - jnp.square(jnp.tanh(s / cap2))
+  return jnp.exp2(capped - lse[:, None]), dcap
 
 
-def _dq_kernel(*refs, has_segments, causal, sigma2, scale, block_q, block_k, kv_len, precision):
+def _ds(p, dcap, dp, delta):
+  """dS = P ∘ (dP − Δ), through the soft cap when there is one."""
+  ds = p * (dp - delta[:, None])
+  return ds if dcap is None else ds * dcap
+
+
+def _dq_kernel(*refs, has_segments, causal, sigma2, scale, block_q, block_k, kv_len, precision, window, cap2):
   (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), qseg_ref, kseg_ref, (dq_ref,) = _split(
       refs, has_segments, 8 if has_segments else 6)
   q_block = pl.program_id(0)
@@ -51,12 +61,18 @@ def _dq_kernel(*refs, has_segments, causal, sigma2, scale, block_q, block_k, kv_
     kv_slice = pl.ds(start_k * block_k, block_k)
     k, v = k_ref[kv_slice, :], v_ref[kv_slice, :]
     k_seg = None if kseg_ref is None else kseg_ref[kv_slice]
-    p = _probabilities(q, k, lse, q_pos, start_k * block_k + jnp.arange(block_k), q_seg, k_seg, masked=masked,
-                       causal=causal, kv_len=kv_len, sigma2=sigma2, precision=precision)
-    dp = plgpu.dot(do, v, trans_b=True, precision=precision)
-    ds = p * (dp - delta[:, None])
+    p, dcap = _probabilities(q, k, lse, q_pos, start_k * block_k + jnp.arange(block_k), q_seg, k_seg,
+                             masked=masked, causal=causal, kv_len=kv_len, window=window, sigma2=sigma2, cap2=cap2,
+                             precision=precision)
+    ds = _ds(p, dcap, plgpu.dot(do, v, trans_b=True, precision=precision), delta)
     return dq + plgpu.dot(ds.astype(k.dtype), k, precision=precision)
 
+  if window is not None:  # the window's band only, every block masked
+    first, end = masks.window_kv_blocks(q_block, window=window, block_q=block_q, block_k=block_k,
+                                        num_kv_blocks=num_kv_blocks, div=lax.div)
+    dq = lax.fori_loop(first, end, functools.partial(body, masked=True), jnp.zeros(dq_ref.shape, jnp.float32))
+    dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+    return
   if causal:
     num_full, num_total = masks.causal_kv_blocks(q_block, block_q=block_q, block_k=block_k,
                                                   num_kv_blocks=num_kv_blocks, div=lax.div)
@@ -68,7 +84,8 @@ def _dq_kernel(*refs, has_segments, causal, sigma2, scale, block_q, block_k, kv_
   dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 
-def _dkv_kernel(*refs, has_segments, causal, sigma2, scale, block_q, block_k, kv_len, group, precision):
+def _dkv_kernel(*refs, has_segments, causal, sigma2, scale, block_q, block_k, kv_len, group, precision, window,
+                cap2):
   (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), qseg_ref, kseg_ref, (dk_ref, dv_ref) = _split(
       refs, has_segments, 8 if has_segments else 6)
   kv_block = pl.program_id(0)
@@ -83,15 +100,18 @@ def _dkv_kernel(*refs, has_segments, causal, sigma2, scale, block_q, block_k, kv
     q, do = q_ref[q_slice, head, :], do_ref[q_slice, head, :]
     lse, delta = lse_ref[head, q_slice], delta_ref[head, q_slice]
     q_seg = None if qseg_ref is None else qseg_ref[q_slice]
-    p = _probabilities(q, k, lse, q_block * block_q + jnp.arange(block_q), k_pos, q_seg, k_seg, masked=masked,
-                       causal=causal, kv_len=kv_len, sigma2=sigma2, precision=precision)
+    p, dcap = _probabilities(q, k, lse, q_block * block_q + jnp.arange(block_q), k_pos, q_seg, k_seg,
+                             masked=masked, causal=causal, kv_len=kv_len, window=window, sigma2=sigma2, cap2=cap2,
+                             precision=precision)
     dv = dv + plgpu.dot(p.astype(do.dtype), do, trans_a=True, precision=precision)
-    dp = plgpu.dot(do, v, trans_b=True, precision=precision)
-    ds = p * (dp - delta[:, None])
+    ds = _ds(p, dcap, plgpu.dot(do, v, trans_b=True, precision=precision), delta)
     dk = dk + plgpu.dot(ds.astype(q.dtype), q, trans_a=True, precision=precision)
     return dk, dv
 
-  if causal:
+  if window is not None:  # the band of q blocks whose rows see this kv block, every one masked
+    first, first_full = masks.window_q_blocks(kv_block, window=window, block_q=block_q, block_k=block_k,
+                                              num_q_blocks=num_q_blocks, div=lax.div)
+  elif causal:
     first, first_full = masks.causal_q_blocks(kv_block, block_q=block_q, block_k=block_k,
                                                num_q_blocks=num_q_blocks, div=lax.div)
   else:
@@ -101,6 +121,8 @@ def _dkv_kernel(*refs, has_segments, causal, sigma2, scale, block_q, block_k, kv
 
   def per_head(head, carry):
     carry = lax.fori_loop(first, first_full, functools.partial(body, head=head, masked=True), carry)
+    if window is not None:
+      return carry
     tail = functools.partial(lax.fori_loop, first_full, num_q_blocks)
     if has_segments:
       return tail(functools.partial(body, head=head, masked=True), carry)
@@ -116,7 +138,7 @@ def _dkv_kernel(*refs, has_segments, causal, sigma2, scale, block_q, block_k, kv
 
 
 def backward(q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_sizes: BlockSizes,
-             interpret=False):
+             window=None, softcap=None, interpret=False):
   """Returns (dq, dk, dv) shaped like q, k, v."""
   batch, seq, num_heads, head_dim = q.shape
   kv_seq, num_kv_heads = k.shape[1:3]  # kv_seq may differ from seq (cross-attention)
@@ -124,7 +146,7 @@ def backward(q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_s
   delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32))
   has_seg = segment_ids is not None
   common = dict(has_segments=has_seg, causal=causal, sigma2=scale * LOG2E, scale=scale, kv_len=kv_len,
-                precision=dot_precision(q.dtype))
+                precision=dot_precision(q.dtype), window=window, cap2=None if softcap is None else softcap * LOG2E)
   params = plgpu.CompilerParams(num_warps=block_sizes.num_warps_bwd, num_stages=block_sizes.num_stages_bwd)
 
   bq, bk = block_sizes.block_q_dq, block_sizes.block_k_dq

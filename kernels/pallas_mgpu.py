@@ -447,8 +447,14 @@ def kernel_key_inputs(keys: KeyBounds, *, row_centres: bool, dtype, seq: int, ti
   return centre, jnp.stack(bounds, axis=2).astype(jnp.float32)
 
 
+def _no_window_or_cap(window, softcap):
+  if window is not None or softcap is not None:
+    raise ValueError("implementation='pallas_mgpu' has no local window or logits soft cap; use "
+                     "implementation='pallas_gpu' (the default picks it when either is asked for)")
+
+
 def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv_len, block_sizes: BlockSizes,
-            keys: KeyBounds | None = None, seq_len: int | None = None, interpret=False):
+            keys: KeyBounds | None = None, seq_len: int | None = None, window=None, softcap=None, interpret=False):
   """Returns (o [B, S, Hq, D], lse [B, Hq, S] f32 base 2, certified tiles [B, Hq, S/64] or None).
 
   The stabilizer comes from `keys` (the K/V pre-pass; each warpgroup certifies its rows in the
@@ -459,6 +465,7 @@ def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv
   """
   if cert is not None and keys is not None:
     raise ValueError("pass the stabilizer as cert or as keys, not both")
+  _no_window_or_cap(window, softcap)
   _check(q, k, cert, scale, interpret)
   batch, seq, num_heads, _ = q.shape
   bs = block_sizes
@@ -499,8 +506,10 @@ def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv
   return o, lse, None if cert is None else cert.certified
 
 
-def backward(q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_sizes: BlockSizes, interpret=False):
+def backward(q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_sizes: BlockSizes, window=None,
+             softcap=None, interpret=False):
   """The backward block_sizes.backward names (Triton or Mosaic GPU), from this forward's o and base-2 lse."""
+  _no_window_or_cap(window, softcap)
   if isinstance(block_sizes.backward, pallas_mgpu_vjp.BlockSizes):
     return pallas_mgpu_vjp.backward(q, k, v, segment_ids, o, lse, do, causal=causal, scale=scale, kv_len=kv_len,
                                     block_sizes=block_sizes.backward)

@@ -21,7 +21,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from clis_kernels import masks
 from clis_kernels.common import dot_precision, out_struct
-from clis_kernels.stabilizer import EMPTY_LSE, LOG2E, NEG, Certificate
+from clis_kernels.stabilizer import EMPTY_LSE, LOG2E, NEG, Certificate, soft_cap
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,19 +88,16 @@ def nn_dot(a, b, precision):
                              preferred_element_type=jnp.float32)
 
 
-def may_need_mask(*, causal, has_segments, kv_len) -> bool:
-  """Whether any block of the grid can need a mask (static): only then is the masked update traced,
-  since bidirectional, unpacked, unpadded inputs have no mask at all (masks.visible gives None)."""
-  return causal or has_segments or kv_len is not None
+def mask_branches(*, causal, has_segments, kv_len, window=None) -> tuple[bool, ...]:
+  """The `masked` values a kernel traces an update for: the masked one only where some block can
+  need a mask, since bidirectional, unpacked, unpadded inputs have none (masks.visible gives None)."""
+  may_need_mask = causal or has_segments or kv_len is not None or window is not None
+  return (False, True) if may_need_mask else (False,)
 
 
-def mask_branches(*, causal, has_segments, kv_len) -> tuple[bool, ...]:
-  """The `masked` values a kernel traces an update for."""
-  return (False, True) if may_need_mask(causal=causal, has_segments=has_segments, kv_len=kv_len) else (False,)
-
-
-def block_flags(q_block, kv_block, *, causal, has_segments, kv_len, block_q, block_k):
-  """(runs, needs_mask) for one (q block, kv block) pair of the grid, as traced bools."""
+def block_flags(q_block, kv_block, *, causal, has_segments, kv_len, block_q, block_k, window=None):
+  """(runs, needs_mask) for one (q block, kv block) pair of the grid, as traced bools. A local
+  window (left, right) skips blocks outside its band and masks those across its edges."""
   first_row = q_block * block_q
   if causal:
     runs = kv_block * block_k <= first_row + block_q - 1
@@ -112,6 +109,11 @@ def block_flags(q_block, kv_block, *, causal, has_segments, kv_len, block_q, blo
     runs, needs_mask = jnp.bool_(True), jnp.bool_(False)
   if has_segments:
     needs_mask = jnp.bool_(True)
+  if window is not None:
+    left, right = window
+    last_row, k_first, k_last = first_row + block_q - 1, kv_block * block_k, (kv_block + 1) * block_k - 1
+    runs = runs & (k_last >= first_row - left) & (k_first <= last_row + right)
+    needs_mask = needs_mask | (k_first < last_row - left) | (k_last > first_row + right)
   return runs, needs_mask
 
 
@@ -123,12 +125,12 @@ def last_visible_kv_block(q_block, *, causal, kv_len, block_q, block_k, num_kv_b
   return last
 
 
-def block_mask(q_block, kv_block, qseg_ref, kseg_ref, *, causal, kv_len, block_q, block_k):
+def block_mask(q_block, kv_block, qseg_ref, kseg_ref, *, causal, kv_len, block_q, block_k, window=None):
   """[block_q, block_k] visibility from the shared mask rule (masks.visible)."""
   q_seg = None if qseg_ref is None else qseg_ref[:, 0]
   k_seg = None if kseg_ref is None else kseg_ref[0, :]
   return masks.visible(q_block * block_q + jnp.arange(block_q), kv_block * block_k + jnp.arange(block_k),
-                       q_seg, k_seg, causal=causal, kv_len=kv_len)
+                       q_seg, k_seg, causal=causal, kv_len=kv_len, window=window)
 
 
 def tile_update(s, v, m_scr, l_scr, acc_scr, *, fixed: bool, precision):
@@ -161,7 +163,7 @@ def finish(acc_scr, m_scr, l_scr, o_ref, lse_ref):
 
 
 def _fwd_kernel(cert_ref, *refs, has_segments, fixed_mode, causal, sigma2, block_q, block_k, kv_len,
-                num_q_blocks, num_kv_blocks, num_heads, precision):
+                num_q_blocks, num_kv_blocks, num_heads, precision, window, cap2):
   q_ref, k_ref, v_ref = refs[:3]
   qseg_ref, kseg_ref = refs[3:5] if has_segments else (None, None)
   m_in_ref, o_ref, lse_ref, acc_scr, m_scr, l_scr = refs[-6:]
@@ -177,16 +179,17 @@ def _fwd_kernel(cert_ref, *refs, has_segments, fixed_mode, causal, sigma2, block
     l_scr[...] = jnp.zeros_like(l_scr)
     acc_scr[...] = jnp.zeros_like(acc_scr)
 
+  rule = dict(causal=causal, kv_len=kv_len, window=window)
+
   def update(masked, fixed):
-    s = nt_dot(q_ref[...], k_ref[...], precision) * sigma2
+    s = soft_cap(nt_dot(q_ref[...], k_ref[...], precision) * sigma2, cap2)
     if masked:
-      mask = block_mask(i, j, qseg_ref, kseg_ref, causal=causal, kv_len=kv_len, block_q=block_q, block_k=block_k)
+      mask = block_mask(i, j, qseg_ref, kseg_ref, block_q=block_q, block_k=block_k, **rule)
       s = jnp.where(mask, s, NEG)
     tile_update(s, v_ref[...], m_scr, l_scr, acc_scr, fixed=fixed, precision=precision)
 
-  runs, needs_mask = block_flags(i, j, causal=causal, has_segments=has_segments, kv_len=kv_len,
-                                 block_q=block_q, block_k=block_k)
-  for masked in mask_branches(causal=causal, has_segments=has_segments, kv_len=kv_len):
+  runs, needs_mask = block_flags(i, j, has_segments=has_segments, block_q=block_q, block_k=block_k, **rule)
+  for masked in mask_branches(has_segments=has_segments, **rule):
     for fixed in ((False, True) if fixed_mode else (False,)):
       cond = runs & (needs_mask if masked else ~needs_mask) & (certified if fixed else ~certified)
       pl.when(cond)(functools.partial(update, masked, fixed))
@@ -206,8 +209,9 @@ def segment_operands(segment_ids: masks.SegmentIds):
 
 
 def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv_len, block_sizes: BlockSizes,
-            interpret=False):
-  """Returns (o [B, S, Hq, D], lse [B, Hq, S] f32 base 2, cert.certified or None)."""
+            window=None, softcap=None, interpret=False):
+  """Returns (o [B, S, Hq, D], lse [B, Hq, S] f32 base 2, cert.certified or None).
+  window: local (left, right) or None; softcap: c of c·tanh(s / c) or None."""
   batch, seq, num_heads, head_dim = q.shape
   group = num_heads // k.shape[2]
   bq, bk = block_sizes.block_q, block_sizes.block_k
@@ -238,7 +242,8 @@ def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv
   kernel = functools.partial(
       _fwd_kernel, has_segments=segment_ids is not None, fixed_mode=fixed_mode, causal=causal,
       sigma2=scale * LOG2E, block_q=bq, block_k=bk, kv_len=kv_len, num_q_blocks=nq, num_kv_blocks=nk,
-      num_heads=num_heads, precision=dot_precision(q.dtype))
+      num_heads=num_heads, precision=dot_precision(q.dtype), window=window,
+      cap2=None if softcap is None else softcap * LOG2E)
   o, lse = pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(

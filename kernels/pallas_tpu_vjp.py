@@ -20,20 +20,24 @@ from clis_kernels.common import dot_precision, out_struct
 from clis_kernels.pallas_tpu import (BlockSizes, block_flags, block_mask, compiler_params, interpret_mode,
                                      last_visible_kv_block, mask_branches, nn_dot, nt_dot, segment_operands, tn_dot,
                                      to_head_major)
-from clis_kernels.stabilizer import LOG2E, NEG
+from clis_kernels.stabilizer import LOG2E, NEG, soft_cap
 
 
-def _grads_of_block(q, k, v, do, lse, delta, mask, *, sigma2, precision):
-  """P and dS of one (q block, kv block) pair."""
+def _grads_of_block(q, k, v, do, lse, delta, mask, *, sigma2, precision, cap2):
+  """P and dS of one (q block, kv block) pair (dS through the soft cap when there is one)."""
   s = nt_dot(q, k, precision) * sigma2
+  capped = soft_cap(s, cap2)
   if mask is not None:
-    s = jnp.where(mask, s, NEG)
-  p = jnp.exp2(s - lse)
+    capped = jnp.where(mask, capped, NEG)
+  p = jnp.exp2(capped - lse)
   ds = p * (nt_dot(do, v, precision) - delta)
+  if cap2 is not None:
+    ds = ds * (1.0 - jnp.square(jnp.tanh(s / cap2)))
   return p, ds
 
 
-def _dq_kernel(*refs, has_segments, causal, sigma2, scale, block_q, block_k, kv_len, num_kv_blocks, precision):
+def _dq_kernel(*refs, has_segments, causal, sigma2, scale, block_q, block_k, kv_len, num_kv_blocks, precision,
+               window, cap2):
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
   qseg_ref, kseg_ref = refs[6:8] if has_segments else (None, None)
   dq_ref, dq_scr = refs[-2:]
@@ -45,14 +49,14 @@ def _dq_kernel(*refs, has_segments, causal, sigma2, scale, block_q, block_k, kv_
 
   def update(masked):
     mask = block_mask(i, j, qseg_ref, kseg_ref, causal=causal, kv_len=kv_len, block_q=block_q,
-                      block_k=block_k) if masked else None
+                      block_k=block_k, window=window) if masked else None
     _, ds = _grads_of_block(q_ref[...], k_ref[...], v_ref[...], do_ref[...], lse_ref[...], delta_ref[...], mask,
-                            sigma2=sigma2, precision=precision)
+                            sigma2=sigma2, precision=precision, cap2=cap2)
     dq_scr[...] += nn_dot(ds.astype(k_ref.dtype), k_ref[...], precision)
 
   runs, needs_mask = block_flags(i, j, causal=causal, has_segments=has_segments, kv_len=kv_len,
-                                 block_q=block_q, block_k=block_k)
-  for masked in mask_branches(causal=causal, has_segments=has_segments, kv_len=kv_len):
+                                 block_q=block_q, block_k=block_k, window=window)
+  for masked in mask_branches(causal=causal, has_segments=has_segments, kv_len=kv_len, window=window):
     pl.when(runs & (needs_mask if masked else ~needs_mask))(functools.partial(update, masked))
 
   @pl.when(j == num_kv_blocks - 1)
@@ -61,7 +65,7 @@ def _dq_kernel(*refs, has_segments, causal, sigma2, scale, block_q, block_k, kv_
 
 
 def _dkv_kernel(*refs, has_segments, causal, sigma2, scale, block_q, block_k, kv_len, group,
-                num_q_blocks, precision):
+                num_q_blocks, precision, window, cap2):
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
   qseg_ref, kseg_ref = refs[6:8] if has_segments else (None, None)
   dk_ref, dv_ref, dk_scr, dv_scr = refs[-4:]
@@ -74,16 +78,16 @@ def _dkv_kernel(*refs, has_segments, causal, sigma2, scale, block_q, block_k, kv
 
   def update(masked):
     mask = block_mask(i, j, qseg_ref, kseg_ref, causal=causal, kv_len=kv_len, block_q=block_q,
-                      block_k=block_k) if masked else None
+                      block_k=block_k, window=window) if masked else None
     q, do = q_ref[...], do_ref[...]
     p, ds = _grads_of_block(q, k_ref[...], v_ref[...], do, lse_ref[...], delta_ref[...], mask,
-                            sigma2=sigma2, precision=precision)
+                            sigma2=sigma2, precision=precision, cap2=cap2)
     dv_scr[...] += tn_dot(p.astype(do.dtype), do, precision)
     dk_scr[...] += tn_dot(ds.astype(q.dtype), q, precision)
 
   runs, needs_mask = block_flags(i, j, causal=causal, has_segments=has_segments, kv_len=kv_len,
-                                 block_q=block_q, block_k=block_k)
-  for masked in mask_branches(causal=causal, has_segments=has_segments, kv_len=kv_len):
+                                 block_q=block_q, block_k=block_k, window=window)
+  for masked in mask_branches(causal=causal, has_segments=has_segments, kv_len=kv_len, window=window):
     pl.when(runs & (needs_mask if masked else ~needs_mask))(functools.partial(update, masked))
 
   @pl.when((g == group - 1) & (i == num_q_blocks - 1))
@@ -93,7 +97,7 @@ def _dkv_kernel(*refs, has_segments, causal, sigma2, scale, block_q, block_k, kv
 
 
 def backward(q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_sizes: BlockSizes,
-             interpret=False):
+             window=None, softcap=None, interpret=False):
   """Returns (dq, dk, dv) shaped like q, k, v."""
   batch, seq, num_heads, head_dim = q.shape
   kv_seq, num_kv_heads = k.shape[1:3]
@@ -104,7 +108,7 @@ def backward(q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_s
   has_seg = segment_ids is not None
   seg_args = list(segment_operands(segment_ids)) if has_seg else []
   common = dict(has_segments=has_seg, causal=causal, sigma2=scale * LOG2E, scale=scale, kv_len=kv_len,
-                precision=dot_precision(q.dtype))
+                precision=dot_precision(q.dtype), window=window, cap2=None if softcap is None else softcap * LOG2E)
   interp = interpret_mode(interpret)
 
   # dQ: kv blocks on the minor axis; causal steps past the diagonal repeat the last block.

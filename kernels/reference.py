@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from clis_kernels import masks
 from clis_kernels.common import dot_precision, varying_like
-from clis_kernels.stabilizer import EMPTY_LSE, LOG2E, NEG, Certificate
+from clis_kernels.stabilizer import EMPTY_LSE, LOG2E, NEG, Certificate, soft_cap
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,28 +58,30 @@ def _kv_blocks(x, block_k):
   return x.reshape(b, s // block_k, block_k, h, d).swapaxes(0, 1)  # [nk, B, bk, H, D]
 
 
-def _block_mask(segment_ids: masks.SegmentIds | None, start_k, block_k, num_q, *, causal, kv_len):
+def _block_mask(segment_ids: masks.SegmentIds | None, start_k, block_k, num_q, *, causal, kv_len, window):
   """[B or 1, Sq, bk] visibility of one kv block, or None when every key is visible."""
   q_pos = jnp.arange(num_q)
   k_pos = start_k + jnp.arange(block_k)
+  rule = dict(causal=causal, kv_len=kv_len, window=window)
   if segment_ids is None:
-    mask = masks.visible(q_pos, k_pos, None, None, causal=causal, kv_len=kv_len)
+    mask = masks.visible(q_pos, k_pos, None, None, **rule)
     return None if mask is None else mask[None]
   k_seg = jax.lax.dynamic_slice_in_dim(segment_ids.kv, start_k, block_k, axis=1)
-  return jax.vmap(lambda qs, ks: masks.visible(q_pos, k_pos, qs, ks, causal=causal, kv_len=kv_len))(
-      segment_ids.q, k_seg)
+  return jax.vmap(lambda qs, ks: masks.visible(q_pos, k_pos, qs, ks, **rule))(segment_ids.q, k_seg)
 
 
-def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv_len, block_sizes, interpret=False):
-  """Returns (o [B, S, Hq, D] in q.dtype, lse [B, Hq, S] f32 base 2, cert.certified or None)."""
+def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv_len, block_sizes, window=None,
+            softcap=None, interpret=False):
+  """Returns (o [B, S, Hq, D] in q.dtype, lse [B, Hq, S] f32 base 2, cert.certified or None).
+  window: local (left, right) or None; softcap: c of c·tanh(s / c) or None."""
   del interpret
   o, lse, _ = forward_with_tiles(q, k, v, segment_ids, cert, causal=causal, scale=scale, kv_len=kv_len,
-                                 block_sizes=block_sizes)
+                                 block_sizes=block_sizes, window=window, softcap=softcap)
   return o, lse, None if cert is None else cert.certified
 
 
 def forward_with_tiles(q, k, v, segment_ids, cert, *, causal, scale, kv_len, block_sizes, tile_skip=None,
-                       tile_gap=False):
+                       tile_gap=False, window=None, softcap=None):
   """`forward`, plus per-tile control for temporal skipping (kernels/diffusion).
 
   tile_skip: [B, Hq, nq, nk] bool, (q tile, kv tile) pairs to leave out, or None.
@@ -91,6 +93,7 @@ def forward_with_tiles(q, k, v, segment_ids, cert, *, causal, scale, kv_len, blo
   bk = block_sizes.block_k
   prec = dot_precision(q.dtype)
   sigma2 = scale * LOG2E
+  cap2 = None if softcap is None else softcap * LOG2E
   qg = _grouped(q, hkv)  # [B, Sq, Hkv, G, D]
   to_rows = lambda x: x.reshape(b, hkv, hq // hkv, sq).transpose(0, 3, 1, 2)  # [B,Hq,S] -> [B,S,Hkv,G]
   if cert is None:
@@ -104,7 +107,8 @@ def forward_with_tiles(q, k, v, segment_ids, cert, *, causal, scale, kv_len, blo
     acc, m, l = carry
     u, k_u, v_u = xs
     s = jnp.einsum("bqhgd,bkhd->bqhgk", qg, k_u, precision=prec, preferred_element_type=jnp.float32) * sigma2
-    mask = _block_mask(segment_ids, u * bk, bk, sq, causal=causal, kv_len=kv_len)
+    s = soft_cap(s, cap2)
+    mask = _block_mask(segment_ids, u * bk, bk, sq, causal=causal, kv_len=kv_len, window=window)
     if mask is not None:
       s = jnp.where(mask[:, :, None, None, :], s, NEG)
     if tile_skip is not None:
@@ -134,9 +138,12 @@ def forward_with_tiles(q, k, v, segment_ids, cert, *, causal, scale, kv_len, blo
   return o.reshape(q.shape).astype(q.dtype), heads_first(lse), gap
 
 
-def backward(q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_sizes, interpret=False):
-  """FlashAttention-2 backward from the saved base-2 lse. Returns (dq, dk, dv)."""
+def backward(q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_sizes, window=None, softcap=None,
+             interpret=False):
+  """FlashAttention-2 backward from the saved base-2 lse. Returns (dq, dk, dv). With a soft cap,
+  dS is taken through the cap: d(c·tanh(s/c))/ds = 1 − tanh²(s/c)."""
   del interpret
+  cap2 = None if softcap is None else softcap * LOG2E
   b, sq, hq, d = q.shape
   hkv = k.shape[2]
   bk = block_sizes.block_k
@@ -150,12 +157,15 @@ def backward(q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_s
   def step(dq, xs):
     u, k_u, v_u = xs
     s = jnp.einsum("bqhgd,bkhd->bqhgk", qg, k_u, precision=prec, preferred_element_type=jnp.float32) * sigma2
-    mask = _block_mask(segment_ids, u * bk, bk, sq, causal=causal, kv_len=kv_len)
+    capped = soft_cap(s, cap2)
+    mask = _block_mask(segment_ids, u * bk, bk, sq, causal=causal, kv_len=kv_len, window=window)
     if mask is not None:
-      s = jnp.where(mask[:, :, None, None, :], s, NEG)
-    p = jnp.exp2(s - lse_rows[..., None])
+      capped = jnp.where(mask[:, :, None, None, :], capped, NEG)
+    p = jnp.exp2(capped - lse_rows[..., None])
     dp = jnp.einsum("bqhgd,bkhd->bqhgk", dog, v_u, precision=prec, preferred_element_type=jnp.float32)
     ds = p * (dp - delta[..., None])
+    if cap2 is not None:
+      ds = ds * (1.0 - jnp.square(jnp.tanh(s / cap2)))
     dq = dq + scale * jnp.einsum("bqhgk,bkhd->bqhgd", ds.astype(k.dtype), k_u, precision=prec,
                                  preferred_element_type=jnp.float32)
     dk_u = scale * jnp.einsum("bqhgk,bqhgd->bkhd", ds.astype(q.dtype), qg, precision=prec,

@@ -19,8 +19,20 @@ U_i = σ₂·(q_i·c + ‖q_i‖·R) ≥ max_j t_ij. `key_bounds` is the pass ov
 is the per-row arithmetic, which the GPU kernel runs in its prologue on the q tile it has
 loaded, and the XLA pre-pass (`certify_rows`) runs on whole arrays for the other backends.
 
-Lower bound. Causal (or packed): the diagonal key is always visible, so L_i = t_ii.
-Bidirectional: the row sees its whole segment and max ≥ mean, so L_i = σ₂·q_i·c.
+Lower bound. Causal (or packed, or local): the diagonal key is always visible, so L_i = t_ii.
+Bidirectional: the row sees its whole segment and max ≥ mean, so L_i = σ₂·q_i·c. With separate
+query and key segment ids (cross-attention, decode) a row's own position need not be visible, so
+c is then the exact mean of the keys the row sees and L_i = σ₂·q_i·c (the XLA pre-pass computes it).
+
+Local windows. A row sees keys i − left ≤ j ≤ i + right only, its own among them, so L_i = t_ii,
+and a tile's radius R is the max of r_u over the key blocks its rows may see: a band, not the
+whole prefix — a sink far behind the window no longer loosens the bound.
+
+Soft-capping. With logits c·tanh(s/c) every logit lies in (−c, c). The map x ↦ c·tanh(x/c) is
+monotone and 1-Lipschitz, so capping U and L bounds the capped row max from both sides and the
+gap cap(U) − cap(L) ≤ min(U − L, 2c): the certificate only gets easier. Every tile certifies,
+whatever q and k, once 2c·log2 e ≤ min(τ·log2 e, h + T), i.e. c ≤ τ/2 (32 at the default τ = 64,
+within bf16's h + T); Gemma 2's c = 50 certifies wherever the uncapped bound's gap is small enough.
 
 Stabilizer. The kernel uses M_i = max(L_i, U_i − h), so every weight is 2^(t − M) ≤ 2^h,
 and the dominant one is ≥ 1 when M_i = L_i. Taking L_i when it is larger keeps the
@@ -174,7 +186,7 @@ def _segment_means(kf, key_valid, segment_ids: masks.SegmentIds):
 
 
 def key_bounds(k, v, segment_ids: masks.SegmentIds | None, *, causal: bool, tau: float, block_q: int, seq_len: int,
-               separate_ids: bool = False) -> KeyBounds:
+               separate_ids: bool = False, window=None) -> KeyBounds:
   """The pre-pass over K and V (a few fused reductions, no cumulative scans).
 
   k, v: [B, Sk, Hkv, D] with Sk a multiple of block_q; segment_ids: SegmentIds, one [B, S] array
@@ -182,6 +194,8 @@ def key_bounds(k, v, segment_ids: masks.SegmentIds | None, *, causal: bool, tau:
   seq_len: number of real keys (the rest is block padding). separate_ids (bidirectional only):
   query and key ids differ, so no row's own key need be visible; the centre is then each query
   segment's exact key mean [B, Sq, Hkv, D], which makes q·c a lower bound (max >= mean).
+  window: (left, right) of local attention, or None: a tile's radius then spans only the key blocks
+  its rows may see.
   """
   k, v = jax.lax.stop_gradient((k, v))
   segment_ids = masks.segment_ids_of(segment_ids)
@@ -200,8 +214,14 @@ def key_bounds(k, v, segment_ids: masks.SegmentIds | None, *, causal: bool, tau:
     centre = key_centre = _robust_segment_mean(kf, key_valid, _segment_index(segment_ids.kv))
   dev = jnp.where(key_valid[..., None], jnp.linalg.norm(kf - key_centre, axis=-1), 0.0)  # [B, Sk, Hkv]
   per_block = dev.reshape(batch, nb, block_q, hkv).max(2).transpose(0, 2, 1)  # [B, Hkv, nb]
-  if causal:  # prefix max over blocks, as one masked reduction (nb is small)
-    sees = jnp.arange(nb)[:, None] >= jnp.arange(nb)[None, :]  # [tile, block]
+  if causal or window is not None:  # max over the blocks each tile sees, one masked reduction (nb is small)
+    tile, block = jnp.arange(nb)[:, None], jnp.arange(nb)[None, :]
+    if window is None:
+      sees = block <= tile  # [tile, block]: a prefix
+    else:
+      first, end = masks.window_kv_blocks(tile, window=window, block_q=block_q, block_k=block_q, num_kv_blocks=nb,
+                                          div=jnp.floor_divide)
+      sees = (block >= first) & (block < end)
     radius = jnp.where(sees, per_block[:, :, None, :], 0.0).max(-1)
   else:  # every tile sees every block
     radius = per_block.max(-1, keepdims=True)
@@ -211,16 +231,23 @@ def key_bounds(k, v, segment_ids: masks.SegmentIds | None, *, causal: bool, tau:
                    threshold=jnp.minimum(tau * LOG2E, headroom + floor))
 
 
-def row_bounds(q, centre, radius, k_diag, *, sigma2: float):
+def soft_cap(t, cap2: float | None):
+  """Base-2 logits t soft-capped at cap2 = c·log2 e: cap2·tanh(t / cap2) (tokamax's, Gemma 2's
+  c·tanh(s / c) in natural units), or t when cap2 is None."""
+  return t if cap2 is None else cap2 * jnp.tanh(t / cap2)
+
+
+def row_bounds(q, centre, radius, k_diag, *, sigma2: float, cap2: float | None = None):
   """Base-2 bounds (U, L) of rows q [..., D] f32, shared by the XLA pre-pass and the kernels.
 
   centre: [..., D] (broadcastable); radius: [...] the visible blocks' max ‖k − c‖;
-  k_diag: [..., D] f32, each row's own key (causal or packed), or None (bidirectional).
+  k_diag: [..., D] f32, each row's own key (causal, packed or local), or None (bidirectional).
+  cap2: the base-2 soft cap, or None; capping is monotone, so the capped bounds bound the capped max.
   """
   q_dot_c = jnp.sum(q * centre, axis=-1)
   upper = sigma2 * (q_dot_c + jnp.sqrt(jnp.sum(q * q, axis=-1)) * radius)
   lower = sigma2 * (q_dot_c if k_diag is None else jnp.sum(q * k_diag, axis=-1))
-  return upper, lower
+  return soft_cap(upper, cap2), soft_cap(lower, cap2)
 
 
 def stabilize(upper, lower, headroom, threshold, row_real=None):
@@ -247,21 +274,23 @@ def headroom_and_floor(v, *, segment_ids, seq_len: int):
 
 
 def certify(q, k, v, segment_ids, *, causal: bool, scale: float, tau: float, granularity: str,
-            block_q: int, seq_len: int, kv_seq_len: int | None = None, separate_ids: bool = False) -> Certificate:
+            block_q: int, seq_len: int, kv_seq_len: int | None = None, separate_ids: bool = False, window=None,
+            softcap: float | None = None) -> Certificate:
   """The whole pre-pass in XLA: `key_bounds`, then each row's bounds and the certificate."""
   keys = key_bounds(k, v, segment_ids, causal=causal, tau=tau, block_q=block_q,
-                    seq_len=seq_len if kv_seq_len is None else kv_seq_len, separate_ids=separate_ids)
+                    seq_len=seq_len if kv_seq_len is None else kv_seq_len, separate_ids=separate_ids, window=window)
   return certify_rows(q, k, segment_ids, keys, causal=causal, scale=scale, granularity=granularity,
-                      block_q=block_q, seq_len=seq_len, separate_ids=separate_ids)
+                      block_q=block_q, seq_len=seq_len, separate_ids=separate_ids, window=window, softcap=softcap)
 
 
 def certify_rows(q, k, segment_ids, keys: KeyBounds, *, causal: bool, scale: float, granularity: str,
-                 block_q: int, seq_len: int, separate_ids: bool = False) -> Certificate:
+                 block_q: int, seq_len: int, separate_ids: bool = False, window=None,
+                 softcap: float | None = None) -> Certificate:
   """Row bounds and the per-tile (or per-head) certificate, in XLA, from `key_bounds`.
 
   q: [B, Sq, Hq, D] with Sq a multiple of block_q; k: [B, Sk, Hkv, D]; seq_len: the real query
-  length. The lower bound is the row's own key when it is visible (causal, or packed with one set of
-  ids), else q·c with c the mean of the keys it sees. Not differentiated: the stabilizer only
+  length. The lower bound is the row's own key when it is visible (causal, local, or packed with one
+  set of ids), else q·c with c the mean of the keys it sees. softcap: c of c·tanh(s / c), or None. Not differentiated: the stabilizer only
   shifts the softmax, which leaves its value and gradient unchanged.
   """
   q, k = jax.lax.stop_gradient((q, k))
@@ -275,11 +304,13 @@ def certify_rows(q, k, segment_ids, keys: KeyBounds, *, causal: bool, scale: flo
     raise ValueError(f"{granularity=} must be 'tile' or 'head'")
   qg = q.astype(jnp.float32).reshape(batch, sq, hkv, group, d)
   centre = jnp.broadcast_to(keys.centre, (batch, sq, hkv, d))[:, :, :, None]
-  radius = jnp.broadcast_to(jnp.repeat(keys.radius, block_q, axis=-1) if causal else keys.radius,
+  per_tile = keys.radius.shape[-1] > 1  # causal or local: each tile's own radius
+  radius = jnp.broadcast_to(jnp.repeat(keys.radius, block_q, axis=-1) if per_tile else keys.radius,
                             (batch, hkv, sq)).transpose(0, 2, 1)[..., None]  # [B, Sq, Hkv, 1]
-  own_key_visible = causal or (segment_ids is not None and not separate_ids)
+  own_key_visible = causal or window is not None or (segment_ids is not None and not separate_ids)
   k_diag = k.astype(jnp.float32)[:, :, :, None] if own_key_visible else None
-  upper, lower = row_bounds(qg, centre, radius, k_diag, sigma2=scale * LOG2E)
+  upper, lower = row_bounds(qg, centre, radius, k_diag, sigma2=scale * LOG2E,
+                            cap2=None if softcap is None else softcap * LOG2E)
   to_heads = lambda x: x.reshape(batch, sq, hq).transpose(0, 2, 1)
   upper, lower = to_heads(upper), to_heads(lower)
   per_head = lambda x: jnp.repeat(x, group, axis=1)[..., None]  # [B, Hkv] -> [B, Hq, 1]

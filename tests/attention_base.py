@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import f64_reference as ref
-from clis_kernels import SegmentIds, attention
+from clis_kernels import SegmentIds, attention, masks
 from peer_cases import PEER_CASES, check_peer_case
 
 # Relative L2 error against float64: (forward, gradients).
@@ -313,3 +313,44 @@ class AttentionTests:
     if sq == sk:
       with pytest.raises(ValueError, match="causal attention takes one segment_ids"):
         self.run(q, k, v, seg, causal=True)
+
+  @pytest.mark.parametrize("causal", [True, False])
+  def test_logits_soft_cap_certifies_every_tile(self, causal):
+    """c·tanh(s / c) (tokamax's logits_soft_cap, Gemma 2): exact against float64, and with c <= tau / 2
+    every tile certifies even where logits span ~1e3 and the uncapped certificate fails."""
+    q, k, v, do = random_inputs(12, 1, 80, 4, 2, 64, jnp.float32)
+    q, k = q * 30.0, k * 30.0
+    cap = 20.0
+    want = ref.attention(q, k, v, do, causal=causal, softcap=cap)
+    for stabilizer in ("clis", "online"):
+      got = self.value_and_grads(q, k, v, do, None, causal=causal, logits_soft_cap=cap, stabilizer=stabilizer)
+      assert ref.rel_err(got[0], want[0]) < TOLERANCE[jnp.float32][0], (stabilizer, ref.rel_err(got[0], want[0]))
+      assert max(ref.rel_err(g, w) for g, w in zip(got[1:], want[1:])) < TOLERANCE[jnp.float32][1], stabilizer
+    _, capped = self.run(q, k, v, causal=causal, logits_soft_cap=cap, return_stats=True)
+    _, uncapped = self.run(q, k, v, causal=causal, return_stats=True)
+    assert float(capped.certified_fraction) == 1.0 and float(uncapped.certified_fraction) < 0.5
+    np.testing.assert_allclose(np.asarray(attention(q, k, v, causal=causal, logits_soft_cap=cap, implementation="xla")),
+                               want[0], rtol=1e-4, atol=1e-5)
+
+  @pytest.mark.parametrize("causal,window,packed", [(True, 24, False), (False, (16, 8), False), (True, 20, True)])
+  def test_local_window(self, causal, window, packed):
+    """Sliding-window attention (jax.nn's local_window_size; Mistral, Gemma) against float64, and a
+    sink far behind the window does not stop later tiles from certifying: their radius spans the
+    window's keys only."""
+    q, k, v, do = random_inputs(13, 1, 128, 4, 2, 64, jnp.float32)
+    seg = packed_segments(13, 1, 128) if packed else None
+    left_right = masks.as_window(window, causal=causal)
+    want = ref.attention(q, k, v, do, seg, causal=causal, window=left_right)
+    for stabilizer in ("clis", "online"):
+      got = self.value_and_grads(q, k, v, do, seg, causal=causal, local_window_size=window, stabilizer=stabilizer)
+      assert ref.rel_err(got[0], want[0]) < TOLERANCE[jnp.float32][0], (stabilizer, ref.rel_err(got[0], want[0]))
+      assert max(ref.rel_err(g, w) for g, w in zip(got[1:], want[1:])) < TOLERANCE[jnp.float32][1], stabilizer
+    np.testing.assert_allclose(np.asarray(attention(q, k, v, seg, causal=causal, local_window_size=window,
+                                                    implementation="xla")), want[0], rtol=1e-5, atol=1e-5)
+    sink = k.at[:, 2].set(1e3 * k[:, 2] / jnp.linalg.norm(k[:, 2], axis=-1, keepdims=True))
+    out, local = self.run(q, sink, v, seg, causal=causal, local_window_size=window, return_stats=True)
+    _, whole = self.run(q, sink, v, seg, causal=causal, return_stats=True)
+    tiles = np.asarray(local.certified_tiles)
+    assert tiles[..., -1].all() and not np.asarray(whole.certified_tiles)[..., -1].any()
+    want_sink = ref.attention(q, sink, v, do, seg, causal=causal, window=left_right)[0]
+    assert ref.rel_err(out, want_sink) < TOLERANCE[jnp.float32][0]

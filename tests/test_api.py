@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import f64_reference as ref
 from attention_base import lower_for_h200, random_inputs
-from clis_kernels import api, attention, pallas_gpu, pallas_tpu, reference
+from clis_kernels import SegmentIds, api, attention, pallas_gpu, pallas_tpu, reference
 
 q0 = jnp.zeros((2, 32, 4, 64), jnp.float32)
 kv0 = jnp.zeros((2, 32, 2, 64), jnp.float32)
@@ -31,7 +31,7 @@ kv0 = jnp.zeros((2, 32, 2, 64), jnp.float32)
     (dict(tau=0.0), "tau=0.0 must be positive"),
     (dict(q=q0.astype(jnp.bfloat16)), "q, k, v must share a dtype"),
     (dict(q=q0.astype(jnp.int32)), "q.dtype=int32 must be float32"),
-    (dict(k=jnp.zeros((2, 16, 2, 64)), v=jnp.zeros((2, 16, 2, 64))), "causal or packed attention needs equal"),
+    (dict(k=jnp.zeros((2, 16, 2, 64)), v=jnp.zeros((2, 16, 2, 64))), "one segment_ids array for queries and keys, needs equal"),
     (dict(implementation="pallas_gpu"), "needs a GPU device but this platform is 'cpu': pass interpret=True"),
     (dict(implementation="pallas_tpu"), "needs a TPU device but this platform is 'cpu': pass interpret=True"),
     (dict(implementation="reference", block_sizes=pallas_gpu.BlockSizes()), "block_sizes for implementation='reference'"),
@@ -62,15 +62,47 @@ def test_cpu_default_is_the_reference_and_matches_xla():
   np.testing.assert_allclose(np.asarray(auto), np.asarray(attention(q, k, v, implementation="xla")), atol=2e-6)
 
 
-@pytest.mark.parametrize("hopper,dtype,head_dim,want", [
-    (True, jnp.bfloat16, 128, "pallas_mgpu"), (True, jnp.float16, 64, "pallas_mgpu"),
-    (True, jnp.float32, 128, "pallas_gpu"), (True, jnp.bfloat16, 96, "pallas_gpu"),
-    (False, jnp.bfloat16, 128, "pallas_gpu")])
-def test_gpu_default_is_the_mosaic_backend_on_hopper_where_it_applies(monkeypatch, hopper, dtype, head_dim, want):
+@pytest.mark.parametrize("hopper,dtype,head_dim,window_or_cap,want", [
+    (True, jnp.bfloat16, 128, False, "pallas_mgpu"), (True, jnp.float16, 64, False, "pallas_mgpu"),
+    (True, jnp.float32, 128, False, "pallas_gpu"), (True, jnp.bfloat16, 96, False, "pallas_mgpu"),
+    (True, jnp.bfloat16, 256, False, "pallas_gpu"), (True, jnp.bfloat16, 128, True, "pallas_gpu"),
+    (False, jnp.bfloat16, 128, False, "pallas_gpu")])
+def test_gpu_default_is_the_mosaic_backend_on_hopper_where_it_applies(monkeypatch, hopper, dtype, head_dim,
+                                                                      window_or_cap, want):
+  """Head dims up to 128 are padded to the Mosaic kernels' 64/128; windows and soft caps take Triton."""
   monkeypatch.setattr(api, "_platform", lambda: "gpu")
   monkeypatch.setattr(api, "_gpu_is_hopper", lambda: hopper)
   q = jax.ShapeDtypeStruct((1, 128, 4, head_dim), dtype)
-  assert api._resolve_implementation(None, False, q) == want
+  assert api._resolve_implementation(None, False, q, window_or_cap) == want
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(local_window_size=-1), "local_window_size=-1 must be an int w >= 0"),
+    (dict(local_window_size=(1, 2, 3)), "must be an int w >= 0 or a pair"),
+    (dict(logits_soft_cap=0.0), "logits_soft_cap=0.0 must be a positive number"),
+    (dict(local_window_size=8, sk=40), "local_window_size needs equal q and k lengths"),
+    (dict(segment_ids="separate", causal=True), "causal attention takes one segment_ids"),
+    (dict(segment_ids="short"), "segment_ids.kv must be"),
+])
+def test_window_cap_and_segment_ids_get_one_clear_error(kwargs, message):
+  sk = kwargs.pop("sk", 32)
+  q, k = jnp.zeros((1, 32, 2, 64)), jnp.zeros((1, sk, 2, 64))
+  seg = kwargs.pop("segment_ids", None)
+  if seg == "separate":
+    seg = SegmentIds(jnp.ones((1, 32), jnp.int32), jnp.ones((1, sk), jnp.int32))
+  elif seg == "short":
+    seg = SegmentIds(jnp.ones((1, 32), jnp.int32), jnp.ones((1, 31), jnp.int32))
+  kwargs.setdefault("causal", False)
+  with pytest.raises(ValueError, match=message):
+    attention(q, k, k, seg, **kwargs)
+
+
+def test_mosaic_gpu_refuses_window_and_soft_cap_by_name(monkeypatch):
+  monkeypatch.setattr(api, "_platform", lambda: "gpu")
+  q = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
+  for kw in (dict(local_window_size=16), dict(logits_soft_cap=30.0)):
+    with pytest.raises(ValueError, match="'pallas_mgpu' has no local window or logits soft cap; use 'pallas_gpu'"):
+      jax.eval_shape(lambda q: attention(q, q, q, implementation="pallas_mgpu", **kw), q)
 
 
 def test_xla_path_follows_the_segment_convention():

@@ -77,15 +77,37 @@ def test_bidirectional_full_attention(config):
   assert ref.rel_err(out, want) < 2e-5
 
 
-@pytest.mark.parametrize("what", ["decode", "sliding_window", "sinks", "soft_cap"])
+@pytest.mark.parametrize("what", ["sliding_window", "soft_cap", "both"])
+def test_sliding_window_and_soft_cap_match_maxtext_dot_product(config, what):
+  """LOCAL_SLIDING (MaxText's causal window i − W < j <= i) and attn_logits_soft_cap run on our kernels."""
+  q, k, v, seg = _inputs()
+  q = q * 8.0  # logits large enough for the cap to matter
+  mesh = _mesh(config)
+  kw = {}
+  if what in ("sliding_window", "both"):
+    kw.update(attention_type=common_types.AttentionType.LOCAL_SLIDING, sliding_window_size=24)
+  if what in ("soft_cap", "both"):
+    kw.update(attn_logits_soft_cap=5.0)
+  real = (seg != 0)[:, :, None, None]
+  do = jnp.where(real, jax.random.normal(jax.random.PRNGKey(3), q.shape), 0.0)
+  out, vjp = _run(config, mesh, "clis", q, k, v, seg, **kw)
+  want_out, want_vjp = _run(config, mesh, "dot_product", q, k, v, seg, **kw)
+  assert ref.rel_err(jnp.where(real, out, 0), jnp.where(real, want_out, 0)) < 2e-5
+  for got, want in zip(vjp(do), want_vjp(do)):
+    assert ref.rel_err(got, want) < 5e-5
+  window = (23, 0) if what != "soft_cap" else None
+  exact = ref.attention(q, k, v, do, seg, causal=True, scale=1.0, window=window,
+                        softcap=5.0 if what != "sliding_window" else None)[0]
+  assert ref.rel_err(jnp.where(real, out, 0), exact) < 2e-5
+
+
+@pytest.mark.parametrize("what", ["decode", "sinks"])
 def test_unsupported_modes_fail_clearly(config, what):
   clis_maxtext.install()
   q, k, v, seg = _inputs()
   mesh = _mesh(config)
-  kw = {"sliding_window": dict(attention_type=common_types.AttentionType.LOCAL_SLIDING, sliding_window_size=16),
-        "soft_cap": dict(attn_logits_soft_cap=30.0)}.get(what, {})
   op = attention_op.AttentionOp(config=config, mesh=mesh, attention_kernel="clis", max_target_length=S,
-                                num_query_heads=HQ, num_kv_heads=HKV, dtype=jnp.float32, **kw)
+                                num_query_heads=HQ, num_kv_heads=HKV, dtype=jnp.float32)
   mode = common_types.MODEL_MODE_AUTOREGRESSIVE if what == "decode" else common_types.MODEL_MODE_TRAIN
   call_kw = dict(sinks=jnp.zeros((HQ,))) if what == "sinks" else {}
   with mesh, partitioning.axis_rules(config.logical_axis_rules), pytest.raises(NotImplementedError, match="clis"):

@@ -29,6 +29,7 @@ import sys
 import jax
 from jax.sharding import PartitionSpec as P
 
+from clis_kernels import SegmentIds
 from clis_kernels import attention as clis_attention
 
 KERNELS = {"clis": "clis", "clis_online": "online"}  # MaxText attention value -> our stabilizer
@@ -41,18 +42,19 @@ def _unsupported(op, key, model_mode, kw) -> str | None:
 
   if model_mode == MODEL_MODE_AUTOREGRESSIVE:
     return "autoregressive decoding (use attention=dot_product for decode; clis serves training and prefill)"
-  if op.attention_type not in (AttentionType.GLOBAL, AttentionType.FULL):
-    return f"attention_type={op.attention_type.value} (clis supports global causal and full bidirectional attention)"
+  if op.attention_type not in (AttentionType.GLOBAL, AttentionType.FULL, AttentionType.LOCAL_SLIDING):
+    return (f"attention_type={op.attention_type.value} (clis supports global causal, local sliding and full "
+            "bidirectional attention)")
   checks = {
       "sinks": kw.get("sinks") is not None,
-      "attn_logits_soft_cap": getattr(op, "attn_logits_soft_cap", None) not in (None, 0.0),
       "record_max_logits": bool(kw.get("record_max_logits")),
       "use_ragged_attention": bool(kw.get("use_ragged_attention")),
       "previous_chunk (chunked prefill)": kw.get("previous_chunk") is not None,
       "bidirectional_mask": kw.get("bidirectional_mask") is not None,
       "indexer_mask": kw.get("indexer_mask") is not None,
       "compressed_mask": kw.get("compressed_mask") is not None,
-      "decoder_segment_ids_kv": kw.get("decoder_segment_ids_kv") is not None,
+      "decoder_segment_ids_kv with causal attention": (kw.get("decoder_segment_ids_kv") is not None
+                                                       and op.attention_type != AttentionType.FULL),
       "quantized KV (KVTensor)": isinstance(key, KVTensor),
       "dropout_rate > 0": getattr(op, "dropout_rate", 0.0) > 0.0,
   }
@@ -60,14 +62,22 @@ def _unsupported(op, key, model_mode, kw) -> str | None:
   return None if not bad else ", ".join(bad)
 
 
-def _attend(op, query, key, value, segment_ids, stabilizer: str):
-  """clis_kernels.attention on MaxText's [B, S, H, D] tensors, under shard_map on a multi-device mesh."""
+def _attend(op, query, key, value, segment_ids, stabilizer: str, kv_segment_ids=None):
+  """clis_kernels.attention on MaxText's [B, S, H, D] tensors, under shard_map on a multi-device mesh.
+  LOCAL_SLIDING is MaxText's causal window (key j seen by row i when i − W < j <= i); the soft cap
+  applies to the pre-scaled logits, as MaxText's own paths do."""
   from maxtext.common.common_types import BATCH_ATTN, D_KV, HEAD, LENGTH, AttentionType
 
-  causal = op.attention_type == AttentionType.GLOBAL
+  causal = op.attention_type != AttentionType.FULL
+  window = (op.sliding_window_size - 1, 0) if op.attention_type == AttentionType.LOCAL_SLIDING else None
+  if window is not None and window[0] < 0:
+    raise ValueError(f"sliding_window_size={op.sliding_window_size} must be at least 1 for attention=clis")
+  cap = getattr(op, "attn_logits_soft_cap", None) or None
 
-  def local(q, k, v, seg):
-    return clis_attention(q, k, v, seg, causal=causal, scale=1.0, stabilizer=stabilizer)
+  def local(q, k, v, seg, kv_seg=None):
+    ids = seg if kv_seg is None else SegmentIds(seg, kv_seg)
+    return clis_attention(q, k, v, ids, causal=causal, scale=1.0, stabilizer=stabilizer, local_window_size=window,
+                          logits_soft_cap=cap)
 
   mesh = op.mesh
   if mesh is None or mesh.size == 1:
@@ -86,6 +96,9 @@ def _attend(op, query, key, value, segment_ids, stabilizer: str):
   if segment_ids is None:
     fn = jax.shard_map(lambda q, k, v: local(q, k, v, None), mesh=mesh, in_specs=(qkv,) * 3, out_specs=qkv)
     return fn(query, key, value)
+  if kv_segment_ids is not None:
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(qkv, qkv, qkv, seg_spec, seg_spec), out_specs=qkv)
+    return fn(query, key, value, segment_ids, kv_segment_ids)
   fn = jax.shard_map(local, mesh=mesh, in_specs=(qkv, qkv, qkv, seg_spec), out_specs=qkv)
   return fn(query, key, value, segment_ids)
 
@@ -112,7 +125,8 @@ def install() -> None:
     if reason is not None:
       raise NotImplementedError(f"attention={self.attention_kernel} does not support {reason}")
     self.check_attention_inputs(query, key, value)
-    out = _attend(self, query, key, value, decoder_segment_ids, KERNELS[self.attention_kernel])
+    out = _attend(self, query, key, value, decoder_segment_ids, KERNELS[self.attention_kernel],
+                  kwargs.get("decoder_segment_ids_kv"))
     return out, None, None  # normalised output, as MaxText's flash paths return
 
   apply_attention._clis_installed = True
