@@ -1,6 +1,13 @@
 #!/usr/bin/env bash
 # Sets up .venv if needed, then runs the test suite (CPU; Pallas kernels in interpret mode).
+#   scripts/test.sh            everything (what CI runs)
+#   scripts/test.sh --fast     leaves out tests marked slow (the peer suites' case families)
+# Other arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest -q --durations=15 "$@"
+args=()
+for arg in "$@"; do
+  if [ "$arg" = "--fast" ]; then args+=(-m "not slow"); else args+=("$arg"); fi
+done
+exec .venv/bin/python -m pytest -q --durations=15 "${args[@]}"

@@ -308,8 +308,9 @@ class AttentionTests:
       np.testing.assert_array_equal(np.asarray(got[0])[np.asarray(seg.q) == 0], 0.0)
     _, stats = self.run(q, k, v, seg, causal=False, return_stats=True)
     assert float(stats.certified_fraction) == 1.0
-    np.testing.assert_allclose(np.asarray(attention(q, k, v, seg, causal=False, implementation="xla")),
-                               np.asarray(want[0]), rtol=1e-5, atol=1e-5)
+    with jax.default_matmul_precision("highest"):  # the dense path takes TF32 on GPUs otherwise
+      xla = attention(q, k, v, seg, causal=False, implementation="xla")
+    np.testing.assert_allclose(np.asarray(xla), np.asarray(want[0]), rtol=1e-5, atol=1e-5)
     if sq == sk:
       with pytest.raises(ValueError, match="causal attention takes one segment_ids"):
         self.run(q, k, v, seg, causal=True)
@@ -329,8 +330,9 @@ class AttentionTests:
     _, capped = self.run(q, k, v, causal=causal, logits_soft_cap=cap, return_stats=True)
     _, uncapped = self.run(q, k, v, causal=causal, return_stats=True)
     assert float(capped.certified_fraction) == 1.0 and float(uncapped.certified_fraction) < 0.5
-    np.testing.assert_allclose(np.asarray(attention(q, k, v, causal=causal, logits_soft_cap=cap, implementation="xla")),
-                               want[0], rtol=1e-4, atol=1e-5)
+    with jax.default_matmul_precision("highest"):  # the dense path takes TF32 on GPUs otherwise
+      xla = attention(q, k, v, causal=causal, logits_soft_cap=cap, implementation="xla")
+    np.testing.assert_allclose(np.asarray(xla), want[0], rtol=1e-4, atol=1e-5)
 
   @pytest.mark.parametrize("causal,window,packed", [(True, 24, False), (False, (16, 8), False), (True, 20, True)])
   def test_local_window(self, causal, window, packed):
@@ -345,8 +347,9 @@ class AttentionTests:
       got = self.value_and_grads(q, k, v, do, seg, causal=causal, local_window_size=window, stabilizer=stabilizer)
       assert ref.rel_err(got[0], want[0]) < TOLERANCE[jnp.float32][0], (stabilizer, ref.rel_err(got[0], want[0]))
       assert max(ref.rel_err(g, w) for g, w in zip(got[1:], want[1:])) < TOLERANCE[jnp.float32][1], stabilizer
-    np.testing.assert_allclose(np.asarray(attention(q, k, v, seg, causal=causal, local_window_size=window,
-                                                    implementation="xla")), want[0], rtol=1e-5, atol=1e-5)
+    with jax.default_matmul_precision("highest"):  # the dense path takes TF32 on GPUs otherwise
+      xla = attention(q, k, v, seg, causal=causal, local_window_size=window, implementation="xla")
+    np.testing.assert_allclose(np.asarray(xla), want[0], rtol=1e-5, atol=1e-5)
     sink = k.at[:, 2].set(1e3 * k[:, 2] / jnp.linalg.norm(k[:, 2], axis=-1, keepdims=True))
     out, local = self.run(q, sink, v, seg, causal=causal, local_window_size=window, return_stats=True)
     _, whole = self.run(q, sink, v, seg, causal=causal, return_stats=True)

@@ -371,7 +371,9 @@ def test_vmap_and_zero_length_on_gpu():
   out, vjp = jax.vjp(jax.vmap(one), q, k, v)
   want, want_vjp = jax.vjp(batched, q, k, v)
   np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
-  for g, w in zip(vjp(do), want_vjp(do)):
-    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+  exact = ref.attention(q, k, v, do, causal=True)[1:]
+  for g, w, e in zip(vjp(do), want_vjp(do), exact):  # vmap's Δ = rowsum(dO∘O) may round differently
+    assert ref.rel_err(g, e) <= CLIS_VS_ONLINE * ref.rel_err(w, e) + 1e-6
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=1e-2, atol=1e-5)
   empty = jnp.zeros((1, 0, 4, 64), jnp.bfloat16)
   assert attention(empty, empty, empty, implementation="pallas_mgpu").shape == empty.shape
