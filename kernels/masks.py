@@ -102,6 +102,12 @@ def query_is_real(segment_ids: SegmentIds | None, num_queries: int, seq_len: int
   return _is_real(None if segment_ids is None else segment_ids.q, num_queries, seq_len)
 
 
+def idiv(a, b):
+  """Integer division for block arithmetic inside kernels (lax.div, truncating), both sides int32, so
+  Python ints do not become int64 when jax_enable_x64 is on."""
+  return jax.lax.div(jnp.asarray(a, jnp.int32), jnp.asarray(b, jnp.int32))
+
+
 def causal_kv_blocks(q_block, *, block_q: int, block_k: int, num_kv_blocks: int, div):
   """KV-block ranges for one q block under the causal mask.
 

@@ -22,7 +22,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from clis_kernels import masks
 from clis_kernels.common import dot_precision, out_struct
-from clis_kernels.stabilizer import EMPTY_LSE, LOG2E, NEG, Certificate, KeyBounds, row_bounds, soft_cap, stabilize
+from clis_kernels.stabilizer import (EMPTY_LSE, LOG2E, NEG, Certificate, KeyBounds, empty_rows, row_bounds, soft_cap,
+                                     stabilize)
 
 SUM_COLUMNS = 16  # width of the ones matrix the fixed path sums its weights with (Triton's minimum dot N)
 
@@ -129,7 +130,7 @@ def online_update(acc, m, l, s, v, precision):
 def write_outputs(acc, m, l, certified, o_ref, lse_ref, tiles_ref):
   """Normalises and stores o, the base-2 lse and the tile's certificate flag; rows that saw no key
   get o = 0 and EMPTY_LSE. Returns (empty rows, l with empty rows set to 1)."""
-  empty = (l == 0.0) | (m == NEG)
+  empty = empty_rows(l, m)
   l_safe = jnp.where(empty, 1.0, l)
   o_ref[...] = jnp.where(empty[:, None], 0.0, acc / l_safe[:, None]).astype(o_ref.dtype)
   lse_ref[...] = jnp.where(empty, EMPTY_LSE, m + jnp.log2(l_safe))
@@ -175,11 +176,11 @@ def _fwd_kernel(*refs, has_segments: bool, mode: str, causal: bool, sigma2: floa
     carry = (jnp.zeros(o_ref.shape, jnp.float32), m0, l0)
     if window is not None:  # only the blocks of the window's band, every one masked
       first, end = masks.window_kv_blocks(q_block, window=window, block_q=block_q, block_k=block,
-                                          num_kv_blocks=num_kv_blocks, div=lax.div)
+                                          num_kv_blocks=num_kv_blocks, div=masks.idiv)
       return lax.fori_loop(first, end, functools.partial(body, masked=True), carry)
     if causal:
       num_full, num_total = masks.causal_kv_blocks(q_block, block_q=block_q, block_k=block,
-                                                    num_kv_blocks=num_kv_blocks, div=lax.div)
+                                                    num_kv_blocks=num_kv_blocks, div=masks.idiv)
     else:
       num_full, num_total = masks.bidirectional_kv_blocks(kv_len=kv_len, block_k=block, num_kv_blocks=num_kv_blocks)
     carry = lax.fori_loop(0, num_full, functools.partial(body, masked=qseg_ref is not None), carry)

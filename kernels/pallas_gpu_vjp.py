@@ -69,13 +69,13 @@ def _dq_kernel(*refs, has_segments, causal, sigma2, scale, block_q, block_k, kv_
 
   if window is not None:  # the window's band only, every block masked
     first, end = masks.window_kv_blocks(q_block, window=window, block_q=block_q, block_k=block_k,
-                                        num_kv_blocks=num_kv_blocks, div=lax.div)
+                                        num_kv_blocks=num_kv_blocks, div=masks.idiv)
     dq = lax.fori_loop(first, end, functools.partial(body, masked=True), jnp.zeros(dq_ref.shape, jnp.float32))
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
     return
   if causal:
     num_full, num_total = masks.causal_kv_blocks(q_block, block_q=block_q, block_k=block_k,
-                                                  num_kv_blocks=num_kv_blocks, div=lax.div)
+                                                  num_kv_blocks=num_kv_blocks, div=masks.idiv)
   else:
     num_full, num_total = masks.bidirectional_kv_blocks(kv_len=kv_len, block_k=block_k, num_kv_blocks=num_kv_blocks)
   dq = jnp.zeros(dq_ref.shape, jnp.float32)
@@ -110,10 +110,10 @@ def _dkv_kernel(*refs, has_segments, causal, sigma2, scale, block_q, block_k, kv
 
   if window is not None:  # the band of q blocks whose rows see this kv block, every one masked
     first, first_full = masks.window_q_blocks(kv_block, window=window, block_q=block_q, block_k=block_k,
-                                              num_q_blocks=num_q_blocks, div=lax.div)
+                                              num_q_blocks=num_q_blocks, div=masks.idiv)
   elif causal:
     first, first_full = masks.causal_q_blocks(kv_block, block_q=block_q, block_k=block_k,
-                                               num_q_blocks=num_q_blocks, div=lax.div)
+                                               num_q_blocks=num_q_blocks, div=masks.idiv)
   else:
     first = first_full = 0
   # Non-causal block padding: kv blocks that reach past kv_len hide some keys.

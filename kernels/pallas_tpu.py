@@ -21,7 +21,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from clis_kernels import masks
 from clis_kernels.common import dot_precision, out_struct
-from clis_kernels.stabilizer import EMPTY_LSE, LOG2E, NEG, Certificate, soft_cap
+from clis_kernels.stabilizer import EMPTY_LSE, LOG2E, NEG, Certificate, empty_rows, soft_cap
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,7 +155,7 @@ def finish(acc_scr, m_scr, l_scr, o_ref, lse_ref):
   """o = acc / l and lse = M + log2 l; rows that saw no key get 0 and EMPTY_LSE. Returns
   (empty [bq, 1], l with 1 on empty rows)."""
   l, m = l_scr[...], m_scr[...]
-  empty = (l == 0.0) | (m == NEG)
+  empty = empty_rows(l, m)
   l_safe = jnp.where(empty, 1.0, l)
   o_ref[...] = jnp.where(empty, 0.0, acc_scr[...] / l_safe).astype(o_ref.dtype)
   lse_ref[...] = jnp.where(empty, EMPTY_LSE, m + jnp.log2(l_safe))

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from clis_kernels import masks
 from clis_kernels.common import dot_precision, varying_like
-from clis_kernels.stabilizer import EMPTY_LSE, LOG2E, NEG, Certificate, soft_cap
+from clis_kernels.stabilizer import EMPTY_LSE, LOG2E, NEG, Certificate, empty_rows, soft_cap
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +127,7 @@ def forward_with_tiles(q, k, v, segment_ids, cert, *, causal, scale, kv_len, blo
   if tile_skip is not None:  # [B, Hq, nq, nk] -> per kv tile, per row: [nk, B, S, Hkv, G]
     skip_rows = jax.vmap(to_rows, in_axes=-1)(jnp.repeat(tile_skip, block_sizes.block_q, axis=2))
   (acc, m, l), maxima = jax.lax.scan(step, init, (jnp.arange(nk), _kv_blocks(k, bk), _kv_blocks(v, bk)))
-  empty = (l == 0) | (m == NEG)
+  empty = empty_rows(l, m)
   l_safe = jnp.where(empty, 1.0, l)
   o = jnp.where(empty[..., None], 0.0, acc / l_safe[..., None])
   lse = jnp.where(empty, EMPTY_LSE, m + jnp.log2(l_safe))

@@ -237,6 +237,13 @@ def soft_cap(t, cap2: float | None):
   return t if cap2 is None else cap2 * jnp.tanh(t / cap2)
 
 
+def empty_rows(l, m):
+  """Rows that saw no key: l == 0, or the running max never left NEG (the online loop then summed
+  2^0 for each masked key). A NaN logit makes l NaN: that row is not empty and its NaN reaches the
+  output, as in dense attention (a max that drops NaN, as XLA's CPU max may, keeps m at NEG)."""
+  return (l == 0.0) | ((m == NEG) & ~jnp.isnan(l))
+
+
 def row_bounds(q, centre, radius, k_diag, *, sigma2: float, cap2: float | None = None):
   """Base-2 bounds (U, L) of rows q [..., D] f32, shared by the XLA pre-pass and the kernels.
 

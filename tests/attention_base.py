@@ -357,3 +357,29 @@ class AttentionTests:
     assert tiles[..., -1].all() and not np.asarray(whole.certified_tiles)[..., -1].any()
     want_sink = ref.attention(q, sink, v, do, seg, causal=causal, window=left_right)[0]
     assert ref.rel_err(out, want_sink) < TOLERANCE[jnp.float32][0]
+
+  @pytest.mark.parametrize("causal,packed", [(True, True), (False, False)])
+  def test_works_with_x64_enabled(self, causal, packed):
+    """jax_enable_x64 on (scientific users run with it): f32 inputs, the same answers as float64."""
+    with jax.enable_x64(True):
+      q, k, v, do = random_inputs(14, 1, 48, 4, 2, 64, jnp.float32)
+      seg = packed_segments(14, 1, 48) if packed else None
+      got = self.value_and_grads(q, k, v, do, seg, causal=causal)
+      want = ref.attention(q, k, v, do, seg, causal=causal)
+      assert got[0].dtype == jnp.float32
+      assert ref.rel_err(got[0], want[0]) < TOLERANCE[jnp.float32][0]
+      assert max(ref.rel_err(g, w) for g, w in zip(got[1:], want[1:])) < TOLERANCE[jnp.float32][1]
+
+  @pytest.mark.parametrize("causal", [True, False])
+  def test_nan_in_a_query_propagates_as_in_dense_attention(self, causal):
+    """A NaN query row gives a NaN output row (never a silent row of zeros); other rows stay exact."""
+    q, k, v, do = random_inputs(15, 1, 40, 2, 1, 64, jnp.float32)
+    bad = q.at[0, 5, 0, 3].set(jnp.nan)
+    dense = attention(bad, k, v, causal=causal, implementation="xla")
+    for stabilizer in ("clis", "online"):
+      out = np.asarray(self.run(bad, k, v, causal=causal, stabilizer=stabilizer))
+      assert np.isnan(out[0, 5, 0]).all(), stabilizer
+      np.testing.assert_array_equal(np.isnan(out), np.isnan(np.asarray(dense)))
+      want = ref.attention(q, k, v, do, causal=causal)[0]
+      keep = ~np.isnan(out)
+      np.testing.assert_allclose(out[keep], want[keep], rtol=1e-4, atol=1e-5)
