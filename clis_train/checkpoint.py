@@ -3,21 +3,28 @@
 orbax writes each step to a temporary folder and renames it when complete, never
 overwrites an existing step, and keeps the newest `keep`; a run that fails therefore
 never damages the checkpoints already there. Restoring into a model of another shape is
-refused with the shapes named.
+refused with the shapes named. After each save the size and CRC-32 of every file of the step are
+recorded in run_dir/checksums/STEP.json (orbax records none); a restore checks them first, so a
+damaged or truncated file is named instead of silently restored, and `on_corrupt="previous"`
+moves the damaged step to run_dir/corrupt/ and restores the newest step that passes.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import pathlib
+import shutil
+import sys
+import zlib
 
 import grain
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from clis_train.errors import CheckpointError
 
-class CheckpointError(ValueError):
-  """A checkpoint that cannot be used for this run; the message says why."""
 
 
 def _handlers():
@@ -31,9 +38,60 @@ def manager(run_dir: str, *, every: int, keep: int) -> ocp.CheckpointManager:
                                item_handlers=_handlers())
 
 
+def _step_dir(mngr: ocp.CheckpointManager, step: int) -> pathlib.Path:
+  return pathlib.Path(mngr.directory) / str(step)
+
+
+def _checksum_file(mngr: ocp.CheckpointManager, step: int) -> pathlib.Path:
+  return pathlib.Path(mngr.directory).parent / "checksums" / f"{step}.json"
+
+
+def _crc32(path: pathlib.Path) -> int:
+  crc = 0
+  with open(path, "rb") as f:
+    while chunk := f.read(1 << 22):
+      crc = zlib.crc32(chunk, crc)
+  return crc
+
+
+def _file_sums(root: pathlib.Path) -> dict[str, list[int]]:
+  return {str(p.relative_to(root)): [p.stat().st_size, _crc32(p)] for p in sorted(root.rglob("*")) if p.is_file()}
+
+
 def save(mngr: ocp.CheckpointManager, step: int, state, data_iter, *, force: bool = False) -> bool:
-  return mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                 data=grain.checkpoint.CheckpointSave(data_iter)), force=force)
+  """Saves (state, data iterator) as `step`, then records its files' sizes and CRC-32s."""
+  saved = mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                  data=grain.checkpoint.CheckpointSave(data_iter)), force=force)
+  if saved and jax.process_index() == 0:
+    mngr.wait_until_finished()
+    record = _checksum_file(mngr, step)
+    record.parent.mkdir(parents=True, exist_ok=True)
+    tmp = record.with_suffix(".tmp")
+    tmp.write_text(json.dumps(_file_sums(_step_dir(mngr, step))))
+    os.replace(tmp, record)
+    kept = {str(s) for s in mngr.all_steps()}
+    for old in record.parent.glob("*.json"):  # steps orbax has evicted
+      if old.stem not in kept:
+        old.unlink()
+  return saved
+
+
+def verify(mngr: ocp.CheckpointManager, step: int) -> str | None:
+  """None if every file recorded for `step` has its size and CRC-32 (or nothing was recorded: a
+  save killed between orbax's rename and the record), else what is wrong, naming the file."""
+  record = _checksum_file(mngr, step)
+  if not record.is_file():
+    return None
+  root = _step_dir(mngr, step)
+  for name, (size, crc) in json.loads(record.read_text()).items():
+    path = root / name
+    if not path.is_file():
+      return f"{path} is missing"
+    if path.stat().st_size != size:
+      return f"{path} is {path.stat().st_size} bytes; {size} were written"
+    if _crc32(path) != crc:
+      return f"{path} does not match the CRC-32 recorded when it was written"
+  return None
 
 
 def _check_shapes(saved_tree, abstract_state, where: str):
@@ -50,16 +108,43 @@ def _check_shapes(saved_tree, abstract_state, where: str):
                             f"{tuple(meta.shape)} there and {tuple(wanted[key].shape)} in this config")
 
 
-def restore_latest(mngr: ocp.CheckpointManager, abstract_state, data_iter):
-  """Restores the newest step into (state, data_iter); returns (step, state) or (None, None)."""
-  step = mngr.latest_step()
-  if step is None:
-    return None, None
-  where = f"checkpoint step {step} in {mngr.directory}"
-  _check_shapes(mngr.item_metadata(step)["state"]["params"], abstract_state["params"], where)
-  restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
-                                                        data=grain.checkpoint.CheckpointRestore(data_iter)))
-  return step, restored["state"]
+def restore_latest(mngr: ocp.CheckpointManager, abstract_state, data_iter, *, on_corrupt: str = "error"):
+  """Restores the newest step into (state, data_iter); returns (step, state) or (None, None).
+
+  A step whose files fail their checksums (or that orbax cannot read) raises CheckpointError naming
+  the step and file; with on_corrupt="previous" it is moved to run_dir/corrupt/STEP and the next
+  older step is tried."""
+  moved = []
+  while (step := mngr.latest_step()) is not None:
+    where = f"checkpoint step {step} in {mngr.directory}"
+    problem = verify(mngr, step)
+    if problem is None:
+      try:
+        _check_shapes(mngr.item_metadata(step)["state"]["params"], abstract_state["params"], where)
+        restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
+                                                              data=grain.checkpoint.CheckpointRestore(data_iter)))
+        return step, restored["state"]
+      except CheckpointError:
+        raise
+      except Exception as e:  # orbax/tensorstore/json errors on damaged files: name the step
+        problem = f"it cannot be read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    older = [s for s in mngr.all_steps() if s < step]
+    if on_corrupt != "previous":
+      hint = (f"set checkpoint.on_corrupt=previous to move it aside and restore step {max(older)}" if older
+              else "no older step exists; delete it and start again, or restore it from a copy")
+      raise CheckpointError(f"{where} is damaged: {problem}; {hint}")
+    aside = pathlib.Path(mngr.directory).parent / "corrupt" / str(step)
+    aside.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(str(_step_dir(mngr, step)), str(aside))
+    moved.append(step)
+    _checksum_file(mngr, step).unlink(missing_ok=True)
+    print(f"clis-train: {where} is damaged ({problem}); moved to {aside}; trying the previous step",
+          file=sys.stderr)
+    mngr.reload()
+  if moved:
+    raise CheckpointError(f"no intact checkpoint is left in {mngr.directory}: steps {moved} were damaged (moved to "
+                          f"{pathlib.Path(mngr.directory).parent / 'corrupt'}); start a new run_dir, or restore a copy")
+  return None, None
 
 
 def load_params(path: str, abstract_params):

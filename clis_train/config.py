@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import pathlib
 import types
 import typing
 from typing import Any
 
 import yaml
+
+from clis_train.errors import ConfigError
 
 ATTENTIONS = ("clis", "online", "clis_mgpu", "online_mgpu", "cudnn", "dot_product")
 
@@ -71,6 +74,9 @@ class TrainConfig:
   eval_batches: int = 2
   peak_tflops_per_device: float | None = None  # None: looked up from the device kind (MFU)
   progress_bar: bool = True
+  on_nonfinite: str = "stop"  # stop | skip: a step whose loss or grad norm is NaN/inf stops the run, or its
+  max_skipped_steps: int = 3  #   update is skipped (optax.apply_if_finite), stopping after this many in a row
+  save_on_interrupt: bool = False  # Ctrl-C / SIGTERM saves the current step before exiting (130)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +84,8 @@ class CheckpointConfig:
   every: int = 50
   keep: int = 3
   resume: bool = True  # continue from the newest checkpoint in run_dir/checkpoints
+  on_corrupt: str = "error"  # error | previous: a checkpoint whose files fail their checksums stops the run,
+                             #   or the newest step that passes is restored instead
   init_from: str | None = None  # orbax checkpoint folder or Hugging Face Llama safetensors folder
 
 
@@ -102,8 +110,6 @@ class Config:
   mesh: MeshConfig = MeshConfig()
 
 
-class ConfigError(ValueError):
-  """A bad key or value in a YAML file or an override."""
 
 
 def _hints(cls) -> dict[str, Any]:
@@ -120,8 +126,20 @@ def _all_keys() -> list[str]:
   return keys
 
 
+# Names users bring from MaxText, Hugging Face or PyTorch trainers.
+ALIASES = {"learning_rate": "optim.lr", "lr_warmup_steps": "optim.warmup_steps", "warmup": "optim.warmup_steps",
+           "max_steps": "train.steps", "num_steps": "train.steps", "steps_per_eval": "train.eval_every",
+           "batch_size": "data.per_device_batch", "per_device_batch_size": "data.per_device_batch",
+           "max_target_length": "data.seq_len", "max_seq_len": "data.seq_len", "seq_length": "data.seq_len",
+           "dataset_path": "data.train_path", "base_output_directory": "run_dir", "output_dir": "run_dir",
+           "weight_decay_rate": "optim.weight_decay", "gradient_clipping_threshold": "optim.grad_clip"}
+
+
 def _suggest(key: str) -> str:
   keys = _all_keys()
+  bare = key.split(".")[-1]
+  if bare in ALIASES:
+    return f"; did you mean {ALIASES[bare]!r}?"
   close = difflib.get_close_matches(key, keys + [k.split(".")[-1] for k in keys], n=1)
   return f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(keys)}"
 
@@ -210,7 +228,27 @@ def _validate(cfg: Config) -> None:
   need(cfg.data.seq_len >= 8, f"data.seq_len={cfg.data.seq_len} must be >= 8")
   need(cfg.data.per_device_batch >= 1, f"data.per_device_batch={cfg.data.per_device_batch} must be >= 1")
   need(cfg.train.steps >= 1, f"train.steps={cfg.train.steps} must be >= 1")
+  need(cfg.train.log_every >= 1, f"train.log_every={cfg.train.log_every} must be >= 1")
+  need(cfg.train.eval_every >= 1, f"train.eval_every={cfg.train.eval_every} must be >= 1")
+  need(cfg.train.eval_batches >= 1, f"train.eval_batches={cfg.train.eval_batches} must be >= 1")
+  need(cfg.train.on_nonfinite in ("stop", "skip"), f"train.on_nonfinite={cfg.train.on_nonfinite!r} must be stop or skip")
+  need(cfg.train.max_skipped_steps >= 1, f"train.max_skipped_steps={cfg.train.max_skipped_steps} must be >= 1")
   need(cfg.checkpoint.every >= 1 and cfg.checkpoint.keep >= 1, "checkpoint.every and checkpoint.keep must be >= 1")
+  need(cfg.checkpoint.on_corrupt in ("error", "previous"),
+       f"checkpoint.on_corrupt={cfg.checkpoint.on_corrupt!r} must be error or previous")
+  need(cfg.data.packing_bins >= 1, f"data.packing_bins={cfg.data.packing_bins} must be >= 1")
+  need(0.0 <= cfg.data.eval_fraction < 1.0, f"data.eval_fraction={cfg.data.eval_fraction} must be in [0, 1)")
+  o = cfg.optim
+  need(math.isfinite(o.lr) and o.lr > 0, f"optim.lr={o.lr} must be a positive finite number")
+  need(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps} must be >= 0")
+  need(math.isfinite(o.min_lr_ratio) and 0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]")
+  need(math.isfinite(o.weight_decay) and o.weight_decay >= 0, f"optim.weight_decay={o.weight_decay} must be >= 0")
+  need(all(math.isfinite(b) and 0 <= b < 1 for b in (o.b1, o.b2)), f"optim.b1={o.b1}, optim.b2={o.b2} must be in [0, 1)")
+  need(math.isfinite(o.eps) and o.eps > 0, f"optim.eps={o.eps} must be positive")
+  need(math.isfinite(o.grad_clip) and o.grad_clip > 0, f"optim.grad_clip={o.grad_clip} must be positive")
+  for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size"):
+    value = getattr(cfg.model, name)
+    need(value is None or value >= 1, f"model.{name}={value} must be >= 1")
 
 
 def load_config(path: str | None, overrides: list[str] = ()) -> Config:

@@ -21,11 +21,9 @@ import warnings
 import grain
 import numpy as np
 
+from clis_train.errors import DataError
+
 SFT_TEMPLATE = "<|user|>\n{prompt}\n<|assistant|>\n"  # the response follows, then EOS
-
-
-class DataError(ValueError):
-  """A data file or setting that cannot be used; the message names it."""
 
 
 # ----------------------------------------------------------------------------- tokenizers
@@ -176,6 +174,9 @@ def _docstrings():
       obj = getattr(module, attr, None)
       if attr.startswith("_") or not (inspect.isfunction(obj) or inspect.isclass(obj) or inspect.isbuiltin(obj)):
         continue
+      if (getattr(obj, "__module__", None) or "").lstrip("_").split(".")[0] != name.split(".")[0]:
+        continue  # re-exported from elsewhere, or a hook another package may replace (pytest swaps
+        #           threading.excepthook): the corpus must not depend on what the process imported
       doc = inspect.getdoc(obj)
       if doc and len(doc) > 40:
         out.append((f"{name}.{attr}", doc))

@@ -15,6 +15,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from clis_train.errors import ConfigError
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelDims:
@@ -144,7 +146,7 @@ class Transformer(nn.Module):
 def resolve_dims(model_cfg, tokenizer_vocab: int) -> ModelDims:
   """The preset's dims with the config's explicit values on top; vocab fits the tokenizer."""
   if model_cfg.preset not in PRESETS:
-    raise ValueError(f"model.preset={model_cfg.preset!r} is not one of {sorted(PRESETS)}")
+    raise ConfigError(f"model.preset={model_cfg.preset!r} is not one of {sorted(PRESETS)}")
   base = PRESETS[model_cfg.preset]
   overrides = {f.name: getattr(model_cfg, f.name) for f in dataclasses.fields(ModelDims)
                if getattr(model_cfg, f.name, None) is not None}
@@ -152,10 +154,15 @@ def resolve_dims(model_cfg, tokenizer_vocab: int) -> ModelDims:
   if model_cfg.vocab_size is None and dims.vocab_size < tokenizer_vocab:
     dims = dataclasses.replace(dims, vocab_size=-(-tokenizer_vocab // 128) * 128)
   if dims.vocab_size < tokenizer_vocab:
-    raise ValueError(f"model.vocab_size={dims.vocab_size} is smaller than the tokenizer's {tokenizer_vocab} ids")
+    raise ConfigError(f"model.vocab_size={dims.vocab_size} is smaller than the tokenizer's {tokenizer_vocab} ids")
+  if min(dims.dim, dims.n_heads, dims.n_kv_heads, dims.n_layers, dims.ffn_dim) < 1:
+    raise ConfigError(f"model dims must be positive; got {dims}")
   if dims.dim % dims.n_heads or dims.n_heads % dims.n_kv_heads:
-    raise ValueError(f"model.dim={dims.dim} must divide by n_heads={dims.n_heads}, "
-                     f"and n_heads by n_kv_heads={dims.n_kv_heads}")
+    raise ConfigError(f"model.dim={dims.dim} must divide by n_heads={dims.n_heads}, "
+                      f"and n_heads by n_kv_heads={dims.n_kv_heads}")
+  if (dims.dim // dims.n_heads) % 2:
+    raise ConfigError(f"model.dim / n_heads = {dims.dim} / {dims.n_heads} = {dims.dim // dims.n_heads} is the head "
+                      "dim, which RoPE needs even; change model.dim or model.n_heads")
   return dims
 
 

@@ -7,10 +7,14 @@ Metrics go to the console and to run_dir/metrics.jsonl.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import datetime
 import json
+import math
 import os
 import pathlib
+import sys
 import time
 
 import jax
@@ -23,6 +27,8 @@ from jax.sharding import PartitionSpec as P
 from clis_train import checkpoint, data, model
 from clis_train.attention import BATCH_AXES, make_attention
 from clis_train.config import Config, ConfigError, to_dict
+from clis_train.errors import Interrupted, TrainingError
+from clis_train.runlock import RunLock
 
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "TPU v6": 918.0, "TPU v5 lite": 197.0,
                     "TPU v5": 459.0, "TPU v4": 275.0}
@@ -98,10 +104,14 @@ class Trainer:
         0.0, cfg.optim.lr, cfg.optim.warmup_steps, max(cfg.train.steps, cfg.optim.warmup_steps + 1),
         end_value=cfg.optim.lr * cfg.optim.min_lr_ratio)
     self.schedule = schedule
-    self.optimizer = optax.chain(
+    # apply_if_finite leaves params and moments as they were when a gradient is NaN/inf; the loop
+    # stops the run (train.on_nonfinite=stop) or lets it skip up to max_skipped_steps in a row.
+    skips = cfg.train.max_skipped_steps if cfg.train.on_nonfinite == "skip" else 0
+    self.optimizer = optax.apply_if_finite(optax.chain(
         optax.clip_by_global_norm(cfg.optim.grad_clip),
         optax.adamw(schedule, b1=cfg.optim.b1, b2=cfg.optim.b2, eps=cfg.optim.eps,
-                    weight_decay=cfg.optim.weight_decay, mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)))
+                    weight_decay=cfg.optim.weight_decay, mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p))),
+        max_consecutive_errors=skips)
     self._compile()
 
   # ------------------------------------------------------------------ state and steps
@@ -128,6 +138,7 @@ class Trainer:
     self.train_step = jax.jit(self._train_step, in_shardings=(self.state_shardings, self.batch_sharding),
                               out_shardings=(self.state_shardings, None), donate_argnums=0)
     self.eval_step = jax.jit(self._loss, in_shardings=(self.param_shardings, self.batch_sharding))
+    self.all_finite = jax.jit(lambda p: jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(p)])))
 
   def _loss(self, params, batch):
     logits, extra = self.model.apply({"params": params}, batch["inputs"], batch["positions"], batch["segment_ids"],
@@ -142,8 +153,9 @@ class Trainer:
     (loss, certified), grads = jax.value_and_grad(self._loss, has_aux=True)(state["params"], batch)
     updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
-    metrics = {"loss": loss, "certified_fraction": certified, "grad_norm": optax.tree.norm(grads),
-               "lr": self.schedule(state["step"])}
+    grad_norm = optax.tree.norm(grads)
+    metrics = {"loss": loss, "certified_fraction": certified, "grad_norm": grad_norm,
+               "lr": self.schedule(state["step"]), "finite": jnp.isfinite(loss) & jnp.isfinite(grad_norm)}
     return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
 
   def logits(self, params, tokens, positions=None, segment_ids=None):
@@ -156,43 +168,80 @@ class Trainer:
   def run(self, on_step=None) -> list[dict]:
     """Trains to cfg.train.steps; returns the metric records (also appended to metrics.jsonl).
 
-    on_step(step, metrics) is called after every step (tests use it to simulate a crash).
+    Holds run_dir's lock for the whole run (one trainer per run_dir). on_step(step, metrics) is
+    called after every step (tests use it to simulate a crash).
     """
+    lock = RunLock(self.cfg.run_dir) if jax.process_index() == 0 else contextlib.nullcontext()
+    with lock:
+      return self._run(pathlib.Path(self.cfg.run_dir), on_step)
+
+  def _start(self, mngr, batches):
+    """(first step, state): restored from the newest intact checkpoint, or initialised."""
     cfg = self.cfg
-    run_dir = pathlib.Path(cfg.run_dir)
-    examples = data.build_examples(cfg.data, self.tokenizer)
-    batches = data.packed_batches(examples.train, seq_len=cfg.data.seq_len, batch_size=self.global_batch,
-                                  seed=cfg.seed, packing_bins=cfg.data.packing_bins)
-    mngr = checkpoint.manager(cfg.run_dir, every=cfg.checkpoint.every, keep=cfg.checkpoint.keep)
     if mngr.latest_step() is not None and not cfg.checkpoint.resume:
       raise checkpoint.CheckpointError(
           f"run_dir={cfg.run_dir!r} already holds checkpoints (steps {list(mngr.all_steps())}); set "
           "checkpoint.resume=true to continue it, or choose another run_dir")
-    start, state = checkpoint.restore_latest(mngr, self.abstract_state, batches) if cfg.checkpoint.resume else (None, None)
-    if state is None:
-      start = 0
-      state = self.init_state(jax.random.PRNGKey(cfg.seed))
-      if cfg.checkpoint.init_from:
-        params = checkpoint.load_params(cfg.checkpoint.init_from, self.abstract_state["params"])
-        params = jax.device_put(params, self.param_shardings)
-        state = self.init_state_from(params)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
+    start, state = (checkpoint.restore_latest(mngr, self.abstract_state, batches, on_corrupt=cfg.checkpoint.on_corrupt)
+                    if cfg.checkpoint.resume else (None, None))
+    if state is not None:
+      return start, state
+    state = self.init_state(jax.random.PRNGKey(cfg.seed))
+    if cfg.checkpoint.init_from:
+      params = checkpoint.load_params(cfg.checkpoint.init_from, self.abstract_state["params"])
+      state = self.init_state_from(jax.device_put(params, self.param_shardings))
+    return 0, state
+
+  def _run(self, run_dir: pathlib.Path, on_step) -> list[dict]:
+    cfg = self.cfg
+    examples = data.build_examples(cfg.data, self.tokenizer)
+    batches = data.packed_batches(examples.train, seq_len=cfg.data.seq_len, batch_size=self.global_batch,
+                                  seed=cfg.seed, packing_bins=cfg.data.packing_bins)
+    mngr = checkpoint.manager(cfg.run_dir, every=cfg.checkpoint.every, keep=cfg.checkpoint.keep)
+    try:
+      start, state = self._start(mngr, batches)
+    except BaseException:
+      mngr.close()
+      raise
+    if start >= cfg.train.steps:
+      mngr.close()
+      print(f"clis-train: run_dir={cfg.run_dir!r} already finished (checkpoint step {start}, train.steps="
+            f"{cfg.train.steps}); nothing to train. Raise train.steps to continue it.", file=sys.stderr)
+      self.state = state
+      return []
+    restart = _write_config(run_dir, cfg, start)
     records = []
     flops = model.flops_per_token(self.dims, cfg.data.seq_len)
     peak = peak_flops_per_device(cfg)
     tokens_per_step = self.global_batch * cfg.data.seq_len
     progress = _progress(cfg, start)
-    t_last, steps_since = time.perf_counter(), 0
+    t_last, steps_since, bad_in_a_row, done = time.perf_counter(), 0, 0, start
+    saved = mngr.latest_step()
     try:
       with open(run_dir / "metrics.jsonl", "a") as log:
+        if restart is not None:
+          log.write(_json_line(restart))
         for step in range(start, cfg.train.steps):
           batch = jax.device_put(next(batches), self.batch_sharding)
           state, metrics = self.train_step(state, batch)
           steps_since += 1
           done = step + 1
+          if not bool(metrics["finite"]):  # checked every step: a non-finite update is never saved
+            bad_in_a_row += 1
+            values = {k: float(v) for k, v in jax.device_get(metrics).items() if k != "finite"}
+            skipped = cfg.train.on_nonfinite == "skip" and bad_in_a_row <= cfg.train.max_skipped_steps
+            log.write(_json_line({"step": done, "event": "nonfinite", "update_skipped": skipped, **values}))
+            log.flush()
+            if not skipped:
+              raise TrainingError(
+                  f"step {done}: loss={values['loss']}, grad_norm={values['grad_norm']} is not finite; training "
+                  f"stopped (train.on_nonfinite={cfg.train.on_nonfinite}"
+                  + (f", {bad_in_a_row} in a row" if cfg.train.on_nonfinite == "skip" else "")
+                  + f"). {_kept(saved)}; lower optim.lr, or set train.on_nonfinite=skip to skip such updates")
+          else:
+            bad_in_a_row = 0
           if done % cfg.train.log_every == 0 or done == cfg.train.steps:
-            metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            metrics = {k: float(v) for k, v in jax.device_get(metrics).items() if k != "finite"}
             now = time.perf_counter()
             step_time = (now - t_last) / steps_since
             t_last, steps_since = now, 0
@@ -201,24 +250,39 @@ class Trainer:
             if cfg.attention != "clis":
               record["certified_fraction"] = None
             records.append(record)
-            log.write(json.dumps(record) + "\n")
+            log.write(_json_line(record))
             log.flush()
             progress.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
           if done % cfg.train.eval_every == 0 and examples.eval:
             eval_record = {"step": done, "eval_loss": self.evaluate(state["params"], examples.eval)}
             records.append(eval_record)
-            log.write(json.dumps(eval_record) + "\n")
+            log.write(_json_line(eval_record))
           if done % cfg.checkpoint.every == 0 or done == cfg.train.steps:
-            checkpoint.save(mngr, done, state, batches, force=True)
+            saved = self._save(mngr, done, state, batches, saved)
           progress.update(1)
           if on_step is not None:
             on_step(done, metrics)
+    except KeyboardInterrupt:
+      if cfg.train.save_on_interrupt and done != saved:
+        saved = self._save(mngr, done, state, batches, saved)
+      raise Interrupted(f"interrupted at step {done}; {_kept(saved)}; run the same command to resume") from None
     finally:
       progress.close()
       mngr.wait_until_finished()
       mngr.close()
     self.state = state
     return records
+
+  def _save(self, mngr, step, state, batches, saved):
+    """Saves a finite state as `step` (returns step); a non-finite one is never saved."""
+    if not bool(self.all_finite(state["params"])):
+      raise TrainingError(f"step {step}: the parameters are not finite; not saved. {_kept(saved)}")
+    try:
+      checkpoint.save(mngr, step, state, batches, force=True)
+    except OSError as e:
+      raise TrainingError(f"step {step}: could not write the checkpoint under {mngr.directory} ({e.strerror or e}); "
+                          f"free space or point run_dir elsewhere. {_kept(saved)}") from e
+    return step
 
   def init_state_from(self, params):
     return jax.jit(lambda p: {"step": jnp.zeros((), jnp.int32), "params": p, "opt_state": self.optimizer.init(p)},
@@ -231,6 +295,37 @@ class Trainer:
     losses = [float(self.eval_step(params, jax.device_put(next(batches), self.batch_sharding))[0])
               for _ in range(self.cfg.train.eval_batches)]
     return float(np.mean(losses))
+
+
+def _kept(saved: int | None) -> str:
+  return "no checkpoint was written yet" if saved is None else f"checkpoints up to step {saved} are intact"
+
+
+def _json_line(record: dict) -> str:
+  """One metrics.jsonl line, valid JSON: non-finite numbers become null and are listed under 'nonfinite'."""
+  bad = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
+  clean = {k: (None if k in bad else v) for k, v in record.items()}
+  if bad:
+    clean["nonfinite"] = bad
+  return json.dumps(clean, allow_nan=False) + "\n"
+
+
+def _write_config(run_dir: pathlib.Path, cfg: Config, start: int) -> dict | None:
+  """Writes run_dir/config.json (the config in force); on a resume, returns the restart record for
+  metrics.jsonl with the keys that changed since the last start."""
+  path = run_dir / "config.json"
+  new = to_dict(cfg)
+  restart = None
+  if start > 0:
+    old = json.loads(path.read_text()) if path.is_file() else {}
+    flat = lambda d, pre="": {f"{pre}{k}": v for k0, v0 in d.items()
+                              for k, v in (flat(v0, f"{k0}.").items() if isinstance(v0, dict) else [(k0, v0)])}
+    before, after = flat(old), flat(new)
+    restart = {"step": start, "event": "restart", "time": datetime.datetime.now().isoformat(timespec="seconds"),
+               "changed": {k: [before.get(k), v] for k, v in after.items() if before.get(k) != v}}
+  run_dir.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps(new, indent=1))
+  return restart
 
 
 def _progress(cfg, start):
