@@ -66,15 +66,24 @@ def make_tokenizer(name: str):
 
 # ----------------------------------------------------------------------------- documents
 def _jsonl_records(path: pathlib.Path, skip_bad_lines: bool):
+  """(path, line number, record) of each JSON-object line; a line that is not UTF-8 or not a JSON
+  object is an error naming path:line, or is skipped and counted with data.skip_bad_lines=true."""
   bad = 0
-  with path.open() as f:
-    for line_no, line in enumerate(f, 1):
-      if not line.strip():
-        continue
+  with path.open("rb") as f:
+    for line_no, raw in enumerate(f, 1):
       try:
+        line = raw.decode("utf-8")
+        if not line.strip():
+          continue
         record = json.loads(line)
         if not isinstance(record, dict):
           raise ValueError("a JSON object was expected")
+      except UnicodeDecodeError as e:
+        if not skip_bad_lines:
+          raise DataError(f"{path}:{line_no}: not UTF-8 (byte {e.start} of the line); fix the file or set "
+                          "data.skip_bad_lines=true") from None
+        bad += 1
+        continue
       except ValueError as e:
         if not skip_bad_lines:
           raise DataError(f"{path}:{line_no}: malformed JSONL line ({e}); fix it or set data.skip_bad_lines=true")
@@ -82,32 +91,65 @@ def _jsonl_records(path: pathlib.Path, skip_bad_lines: bool):
         continue
       yield path, line_no, record
   if bad:
-    warnings.warn(f"{path}: skipped {bad} malformed lines (data.skip_bad_lines=true)")
+    warnings.warn(f"{path}: skipped {bad} bad lines (data.skip_bad_lines=true)")
 
 
-def _files(path: str) -> list[pathlib.Path]:
+TEXT_SUFFIXES = (".txt", ".text", ".md", ".rst", ".py", ".pyi", ".c", ".h", ".cc", ".cpp", ".rs", ".go", ".java",
+                 ".js", ".ts", ".html", ".tex", ".yaml", ".yml", ".toml", ".cfg", ".ini", ".csv", ".tsv", "")
+DATA_SUFFIXES = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
+
+
+def _text_or_none(file: pathlib.Path) -> str | None:
+  """The file's text, or None when it is not UTF-8 text (NUL bytes, invalid UTF-8)."""
+  raw = file.read_bytes()
+  if b"\x00" in raw[:8192]:
+    return None
+  try:
+    return raw.decode("utf-8")
+  except UnicodeDecodeError:
+    return None
+
+
+def _files(path: str, fmt: str = "auto") -> list[pathlib.Path]:
+  """The files to read: path itself, or the files under a folder whose suffix names a format
+  (TEXT_SUFFIXES, DATA_SUFFIXES; any with data.format set), others skipped with one warning."""
   root = pathlib.Path(path)
   if not root.exists():
     raise DataError(f"data path {path!r} does not exist")
-  files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else [root]
+  if not root.is_dir():
+    return [root]
+  found = sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith("."))
+  files = [p for p in found if fmt != "auto" or p.suffix.lower() in TEXT_SUFFIXES + tuple(DATA_SUFFIXES)]
+  skipped = [str(p.relative_to(root)) for p in sorted(root.rglob("*")) if p.is_file() and p not in files]
+  if skipped:
+    warnings.warn(f"{path}: skipped {len(skipped)} files that are not text or a data format: "
+                  f"{', '.join(skipped[:10])}{' ...' if len(skipped) > 10 else ''} (set data.format to read them)")
   if not files:
-    raise DataError(f"data path {path!r} holds no files")
+    raise DataError(f"data path {path!r} holds no text, JSONL or Parquet files")
   return files
 
 
 def _format(file: pathlib.Path, fmt: str) -> str:
   if fmt != "auto":
     return fmt
-  return {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}.get(file.suffix, "text")
+  return DATA_SUFFIXES.get(file.suffix.lower(), "text")
 
 
 def read_cpt_documents(path: str, *, fmt: str, text_field: str, skip_bad_lines: bool) -> list[str]:
-  docs = []
-  for file in _files(path):
+  docs, binary = [], []
+  files = _files(path, fmt)
+  for file in files:
     kind = _format(file, fmt)
     before = len(docs)
     if kind == "text":
-      docs.append(file.read_text(encoding="utf-8", errors="replace"))
+      text = _text_or_none(file)
+      if text is None:
+        if len(files) == 1:
+          raise DataError(f"{file}: not UTF-8 text (binary or another encoding); convert it, or point "
+                          "data.train_path at text, JSONL or Parquet files")
+        binary.append(str(file))
+        continue
+      docs.append(text)
     elif kind == "jsonl":
       for p, line_no, record in _jsonl_records(file, skip_bad_lines):
         if not isinstance(record.get(text_field), str):
@@ -123,13 +165,17 @@ def read_cpt_documents(path: str, *, fmt: str, text_field: str, skip_bad_lines: 
       docs += [t for t in table.column(text_field).to_pylist() if isinstance(t, str)]
     if len(docs) == before or not any(d.strip() for d in docs[before:]):
       raise DataError(f"{file}: empty (no documents)")
+  if binary:
+    warnings.warn(f"{path}: skipped {len(binary)} files that are not UTF-8 text: {', '.join(binary[:10])}")
+  if not docs:
+    raise DataError(f"data path {path!r}: no file held UTF-8 text")
   return docs
 
 
 def read_sft_pairs(path: str, *, skip_bad_lines: bool) -> list[tuple[str, str]]:
   """(prompt, response) pairs from `prompt`/`response` records or chat `messages`."""
   pairs = []
-  for file in _files(path):
+  for file in _files(path, "jsonl"):
     before = len(pairs)
     for p, line_no, record in _jsonl_records(file, skip_bad_lines):
       pair = _sft_pair(record)
@@ -239,10 +285,12 @@ def sft_examples(pairs, tokenizer, seq_len, long_sequences):
   return out
 
 
-def _split_eval(items, fraction):
+def _split_eval(examples, fraction):
+  """Every k-th example (k = 1/fraction) held out, counted over sequence chunks, not documents, so
+  one long document cannot become the whole eval set; the first example always trains."""
   every = max(2, round(1 / fraction)) if fraction > 0 else 0
-  train = [x for i, x in enumerate(items) if not every or i % every]
-  held = [x for i, x in enumerate(items) if every and i % every == 0]
+  held = [x for i, x in enumerate(examples) if every and i % every == every - 1]
+  train = [x for i, x in enumerate(examples) if not every or i % every != every - 1]
   return train, held
 
 
@@ -259,12 +307,12 @@ def build_examples(data_cfg, tokenizer) -> Examples:
     items = read(data_cfg.train_path) if data_cfg.train_path else embedded_sft_pairs()
     make = lambda xs: sft_examples(xs, tokenizer, seq, long)
   if data_cfg.eval_path:
-    train, held = items, read(data_cfg.eval_path)
+    examples = Examples(make(items), make(read(data_cfg.eval_path)))
   else:
-    train, held = _split_eval(items, data_cfg.eval_fraction)
-  examples = Examples(make(train), make(held))
+    examples = Examples(*_split_eval(make(items), data_cfg.eval_fraction))
   if not examples.train:
-    raise DataError("no training examples after tokenization (data.train_path)")
+    raise DataError(f"data.train_path={data_cfg.train_path!r}: no training examples after tokenization (every "
+                    f"document shorter than 2 tokens, or every SFT response cut by data.seq_len={seq})")
   return examples
 
 

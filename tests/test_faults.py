@@ -221,3 +221,61 @@ def test_the_embedded_corpus_does_not_depend_on_what_the_process_imported():
   code = "import json, clis_train.data as d; print(json.dumps(d.embedded_cpt_documents()))"
   fresh = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
   assert fresh == here
+
+
+# ----------------------------------------------------------------------------- 6. data
+def test_bad_bytes_and_stray_files_are_named_skipped_or_counted(tmp_path):
+  from clis_train import data
+  jsonl = tmp_path / "docs.jsonl"
+  jsonl.write_bytes(b'{"text": "first document here"}\n{"text": "caf\xe9 in latin-1"}\n{"text": "third one"}\n')
+  with pytest.raises(data.DataError, match=r"docs.jsonl:2: not UTF-8 \(byte \d+ of the line\)"):
+    data.read_cpt_documents(str(jsonl), fmt="auto", text_field="text", skip_bad_lines=False)
+  with pytest.warns(UserWarning, match="skipped 1 bad lines"):
+    docs = data.read_cpt_documents(str(jsonl), fmt="auto", text_field="text", skip_bad_lines=True)
+  assert docs == ["first document here", "third one"]
+  folder = tmp_path / "corpus"
+  folder.mkdir()
+  (folder / "a.md").write_text("# A real document\n" * 20)
+  (folder / "model.bin").write_bytes(bytes(range(256)) * 8)
+  (folder / "notes.gz").write_bytes(b"\x1f\x8b\x08\x00" + bytes(100))
+  (folder / ".DS_Store").write_bytes(b"\x00\x00\x00\x01Bud1" + bytes(50))
+  (folder / "latin1.txt").write_bytes("na\xefve".encode("latin-1") * 10)
+  with pytest.warns(UserWarning) as caught:
+    docs = data.read_cpt_documents(str(folder), fmt="auto", text_field="text", skip_bad_lines=False)
+  assert docs == ["# A real document\n" * 20]
+  said = " ".join(str(w.message) for w in caught)
+  assert "model.bin" in said and "notes.gz" in said and ".DS_Store" in said and "latin1.txt" in said
+  assert "\ufffd" not in "".join(docs)
+  with pytest.raises(data.DataError, match="model.bin: not UTF-8 text"):
+    data.read_cpt_documents(str(folder / "model.bin"), fmt="auto", text_field="text", skip_bad_lines=False)
+
+
+def test_hold_out_counts_chunks_so_one_long_document_trains_too(tmp_path):
+  from clis_train import data
+  one = tmp_path / "one.txt"
+  one.write_text("a long document about many things. " * 400)  # ~14k bytes: ~110 chunks of 128
+  cfg = config(tmp_path, f"data.train_path={one}", "data.seq_len=128", "data.eval_fraction=0.1")
+  examples = data.build_examples(cfg.data, data.ByteTokenizer())
+  assert len(examples.train) > 8 * len(examples.eval) > 0
+  tiny = tmp_path / "tiny.txt"
+  tiny.write_text("just one short document")
+  examples = data.build_examples(config(tmp_path, f"data.train_path={tiny}").data, data.ByteTokenizer())
+  assert len(examples.train) == 1 and examples.eval == []
+
+
+def test_a_full_disk_while_saving_is_one_message_and_keeps_earlier_steps(tmp_path, monkeypatch):
+  import errno
+  run = tmp_path / "run"
+  Trainer(config(run, "train.steps=2", "checkpoint.every=2")).run()
+  original = checkpoint.save
+
+  def full_disk(mngr, step, *args, **kwargs):
+    if step == 4:
+      raise OSError(errno.ENOSPC, "No space left on device")
+    return original(mngr, step, *args, **kwargs)
+
+  monkeypatch.setattr(checkpoint, "save", full_disk)
+  with pytest.raises(TrainingError, match=r"step 4: could not write the checkpoint under .* \(No space left on device\); "
+                                          r"free space or point run_dir elsewhere. checkpoints up to step 2 are intact"):
+    Trainer(config(run, "train.steps=6", "checkpoint.every=2")).run()
+  assert checkpoint.manager(str(run), every=1, keep=3).latest_step() == 2
