@@ -328,3 +328,140 @@ def certify_rows(q, k, segment_ids, keys: KeyBounds, *, causal: bool, scale: flo
     certified = jnp.broadcast_to(certified.all(-1, keepdims=True), certified.shape)
   return Certificate(m=m, certified=certified, upper=upper, lower=lower,
                      threshold=jnp.repeat(keys.threshold, group, axis=1))
+
+
+# ----------------------------------------------------------------------------- exceptional keys, block centres
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BlockBounds:
+  """Per key block u (of `block` keys): centre c_u (the mean of its ordinary keys) and radius r_u =
+  max ‖k_j − c_u‖ over them; and a few exceptional keys E scored exactly instead.
+
+  centres: [B, nb, Hkv, D] f32; radii: [B, Hkv, nb] f32 (0 for blocks with no ordinary key);
+  exceptional: [B, Hkv, E] int32 key positions; is_exceptional: [B, Hkv, E] bool (padding slots False).
+  """
+
+  centres: jax.Array
+  radii: jax.Array
+  exceptional: jax.Array
+  is_exceptional: jax.Array
+
+
+def block_bounds(k, segment_ids, *, block: int, seq_len: int, budget: int = 32, factor: float = 3.0) -> BlockBounds:
+  """Bounds that survive sinks and RoPE-rotated outlier channels.
+
+  Each block gets its own centre, so a component that RoPE rotates slowly along the sequence (an
+  outlier channel's offset) moves with the centres instead of inflating one global radius. A key
+  farther than `factor` × the median block radius from its block's centre (an attention sink, a
+  delimiter) is exceptional: up to `budget` of them per (batch, kv head) leave the blocks and are
+  scored exactly, so one sink no longer sets the bound of every row that sees its block.
+  """
+  k = jax.lax.stop_gradient(k).astype(jnp.float32)
+  batch, sk, hkv, d = k.shape
+  nb = sk // block
+  valid = masks.key_is_real(masks.segment_ids_of(segment_ids), sk, seq_len)  # [B or 1, Sk]
+  valid = jnp.broadcast_to(valid, (batch, sk))[:, :, None]  # [B, Sk, 1]: per kv head below
+
+  def stats(keep):  # keep [B, Sk, Hkv] -> (centres [B, nb, Hkv, D], dev [B, Sk, Hkv], radii [B, Hkv, nb])
+    w = keep.reshape(batch, nb, block, hkv, 1).astype(jnp.float32)
+    blocks = k.reshape(batch, nb, block, hkv, d)
+    centres = (w * blocks).sum(2) / jnp.maximum(w.sum(2), 1.0)
+    dev = jnp.linalg.norm(blocks - centres[:, :, None], axis=-1).reshape(batch, sk, hkv)
+    radii = jnp.where(keep, dev, 0.0).reshape(batch, nb, block, hkv).max(2).transpose(0, 2, 1)
+    return centres, dev, radii
+
+  keep = jnp.broadcast_to(valid, (batch, sk, hkv))
+  _, dev, radii = stats(keep)
+  cut = factor * jnp.median(radii, axis=-1)  # [B, Hkv]
+  score = jnp.where(keep, dev, -1.0).transpose(0, 2, 1)  # [B, Hkv, Sk]
+  top, where = jax.lax.top_k(score, max(0, min(budget, sk)))
+  is_exceptional = top > cut[..., None]
+  drop = jnp.zeros((batch, hkv, sk), bool).at[
+      jnp.arange(batch)[:, None, None], jnp.arange(hkv)[None, :, None], where].max(is_exceptional)
+  centres, _, radii = stats(keep & ~drop.transpose(0, 2, 1))
+  return BlockBounds(centres=centres, radii=radii, exceptional=where.astype(jnp.int32), is_exceptional=is_exceptional)
+
+
+def block_row_bounds(q, k, segment_ids, bounds: BlockBounds, *, causal: bool, scale: float, block: int,
+                     window=None, separate_ids: bool = False):
+  """Base-2 (U, L) [B, Hq, Sq] of every row from BlockBounds:
+
+  U_i = max( max_{u visible} σ₂(q_i·c_u + ‖q_i‖ r_u),  max_{j ∈ E visible} σ₂ q_i·k_j ),
+  where "visible" is the causal prefix (u up to i's block), the window's band, or every block; keys
+  of other segments in a visible block only loosen it. Every visible ordinary key lies in a visible
+  block within r_u of c_u (Cauchy–Schwarz), and exceptional keys are scored exactly, so U_i ≥ max_j s_ij.
+  L_i = the row's own logit where it is visible (causal, local, packed), else σ₂ q_i·k̄ with k̄ the
+  exact mean of the keys it sees (max ≥ mean); raised to any visible exceptional key's exact score.
+  """
+  q, k = jax.lax.stop_gradient((q, k))
+  segment_ids = masks.segment_ids_of(segment_ids)
+  batch, sq, hq, d = q.shape
+  sk, hkv = k.shape[1], k.shape[2]
+  group = hq // hkv
+  sigma2 = scale * LOG2E
+  qg = q.astype(jnp.float32).reshape(batch, sq, hkv, group, d)
+  kf = k.astype(jnp.float32)
+  q_norm = jnp.linalg.norm(qg, axis=-1)  # [B, Sq, Hkv, G]
+  per_block = jnp.einsum("bihgd,buhd->bihgu", qg, bounds.centres) + q_norm[..., None] * bounds.radii[:, None, :, None, :]
+  nb = bounds.centres.shape[1]
+  rows, blocks = jnp.arange(sq)[:, None], jnp.arange(nb)[None, :]
+  sees = jnp.ones((sq, nb), bool)
+  if causal:
+    sees = blocks * block <= rows
+  if window is not None:
+    sees = sees & ((blocks + 1) * block - 1 >= rows - window[0]) & (blocks * block <= rows + window[1])
+  upper = jnp.where(sees[None, :, None, None, :], per_block, -jnp.inf).max(-1) * sigma2  # [B, Sq, Hkv, G]
+
+  positions = bounds.exceptional  # [B, Hkv, E]
+  k_e = jnp.take_along_axis(kf, positions.transpose(0, 2, 1)[..., None], axis=1)  # [B, E, Hkv, D]
+  s_e = jnp.einsum("bihgd,behd->bihge", qg, k_e) * sigma2
+  seen = jnp.broadcast_to(bounds.is_exceptional[:, None, :, None, :], s_e.shape)  # [B, Sq, Hkv, G, E]
+  pos = positions[:, None, :, None, :]
+  if causal:
+    seen = seen & (pos <= jnp.arange(sq)[None, :, None, None, None])
+  if window is not None:
+    i = jnp.arange(sq)[None, :, None, None, None]
+    seen = seen & (pos >= i - window[0]) & (pos <= i + window[1])
+  if segment_ids is not None:
+    kv_ids = jnp.take_along_axis(segment_ids.kv[:, None, :], positions, axis=2)  # [B, Hkv, E]
+    seen = seen & (segment_ids.q[:, :, None, None, None] == kv_ids[:, None, :, None, :])
+  exact = jnp.where(seen, s_e, -jnp.inf).max(-1, initial=-jnp.inf)  # [B, Sq, Hkv, G]
+  upper = jnp.maximum(upper, exact)
+
+  own_key_visible = causal or window is not None or (segment_ids is not None and not separate_ids)
+  if own_key_visible:
+    lower = jnp.einsum("bihgd,bihd->bihg", qg, kf[:, :sq]) * sigma2
+  else:
+    key_valid = masks.key_is_real(segment_ids, sk, sk)[..., None, None]
+    if segment_ids is None:
+      mean = jnp.where(key_valid, kf, 0.0).sum(1) / jnp.maximum(key_valid.sum(1), 1)  # [B, Hkv, D]
+      lower = jnp.einsum("bihgd,bhd->bihg", qg, mean) * sigma2
+    else:
+      _, centre = _segment_means(kf, key_valid[..., 0, 0], segment_ids)  # [B, Sq, Hkv, D]
+      lower = jnp.einsum("bihgd,bihd->bihg", qg, centre) * sigma2
+  lower = jnp.maximum(lower, exact)
+  to_heads = lambda x: x.reshape(batch, sq, hq).transpose(0, 2, 1)
+  return to_heads(upper), to_heads(lower)
+
+
+def certify_blocks(q, k, v, segment_ids, *, causal: bool, scale: float, tau: float, granularity: str, block_q: int,
+                   seq_len: int, kv_seq_len: int | None = None, window=None, separate_ids: bool = False,
+                   budget: int = 32) -> Certificate:
+  """The certificate from block centres and exceptional keys (`block_bounds`, `block_row_bounds`),
+  in XLA; the same Certificate as `certify`, so every kernel's "cert" mode takes it."""
+  segment_ids = masks.segment_ids_of(segment_ids)
+  kv_seq_len = seq_len if kv_seq_len is None else kv_seq_len
+  bounds = block_bounds(k, segment_ids, block=block_q, seq_len=kv_seq_len, budget=budget)
+  upper, lower = block_row_bounds(q, k, segment_ids, bounds, causal=causal, scale=scale, block=block_q,
+                                  window=window, separate_ids=separate_ids)
+  batch, sq, hq, _ = q.shape
+  group = hq // k.shape[2]
+  headroom, floor = headroom_and_floor(v, segment_ids=segment_ids, seq_len=kv_seq_len)
+  threshold = jnp.minimum(tau * LOG2E, headroom + floor)
+  per_head = lambda x: jnp.repeat(x, group, axis=1)[..., None]
+  row_real = masks.query_is_real(segment_ids, sq, seq_len)[:, None, :]
+  m, row_ok = stabilize(upper, lower, per_head(headroom), per_head(threshold), row_real)
+  certified = row_ok.reshape(batch, hq, sq // block_q, block_q).all(-1)
+  if granularity == "head":
+    certified = jnp.broadcast_to(certified.all(-1, keepdims=True), certified.shape)
+  return Certificate(m=m, certified=certified, upper=upper, lower=lower, threshold=jnp.repeat(threshold, group, axis=1))
