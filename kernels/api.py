@@ -64,6 +64,7 @@ BACKENDS: dict[str, Callable[[], Backend]] = {
 IMPLEMENTATIONS = (*BACKENDS, "xla")
 STABILIZERS = ("clis", "online")
 GRANULARITIES = ("tile", "head")
+BOUNDS = ("radius", "blocks")
 _AUTO = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cpu": "reference"}
 
 
@@ -126,7 +127,7 @@ def _resolve_implementation(implementation, interpret, q, window_or_cap: bool = 
 
 
 def _validate(q, k, v, segment_ids, causal, stabilizer_name, granularity, tau, local_window_size=None,
-              logits_soft_cap=None):
+              logits_soft_cap=None, bound="radius"):
   for name, x in (("q", q), ("k", k), ("v", v)):
     if x.ndim != 4:
       raise ValueError(f"{name} must be [batch, seq, heads, head_dim]; got {name}.shape={x.shape}")
@@ -159,6 +160,8 @@ def _validate(q, k, v, segment_ids, causal, stabilizer_name, granularity, tau, l
     raise ValueError(f"stabilizer={stabilizer_name!r} must be one of {STABILIZERS}")
   if granularity not in GRANULARITIES:
     raise ValueError(f"{granularity=} must be one of {GRANULARITIES}")
+  if bound not in BOUNDS:
+    raise ValueError(f"{bound=} must be one of {BOUNDS}")
   if not tau > 0:
     raise ValueError(f"{tau=} must be positive (natural-log units; default 64.0)")
   if logits_soft_cap is not None and not (isinstance(logits_soft_cap, (int, float)) and logits_soft_cap > 0):
@@ -255,8 +258,8 @@ def _xla_attention(q, k, v, segment_ids: masks.SegmentIds | None, *, causal, sca
 
 
 def attention(q, k, v, segment_ids=None, *, causal=True, scale=None, local_window_size=None, logits_soft_cap=None,
-              stabilizer="clis", granularity="tile", tau=64.0, implementation=None, block_sizes=None, interpret=False,
-              return_stats=False):
+              stabilizer="clis", granularity="tile", tau=64.0, bound="radius", implementation=None, block_sizes=None,
+              interpret=False, return_stats=False):
   """CLiS attention. q [B, S, Hq, D]; k, v [B, S, Hkv, D] with Hq a multiple of Hkv.
 
   segment_ids: [B, S] int for packed sequences; a query sees keys of its own id only, and
@@ -271,6 +274,10 @@ def attention(q, k, v, segment_ids=None, *, causal=True, scale=None, local_windo
   granularity: "tile" (batch, head, q-block) or "head" (batch, head) certification.
   tau: cap on the certified gap U − L between a row's bound and its lower bound, in
     natural-log units (the dtype's own limit h + T from stabilizer.py applies too).
+  bound: "radius" (one centre and per-tile radius from a K/V pre-pass; kernels certify in their
+    prologue) or "blocks" (per-block centres, exceptional keys scored exactly, the row's own block
+    scored exactly: holds on sinks and RoPE-rotated outlier channels; an XLA pre-pass over q and K,
+    stabilizer.certify_blocks).
   implementation: None (TPU → "pallas_tpu"; NVIDIA Hopper with bf16/f16 and D 64 or 128 →
     "pallas_mgpu", the fastest forward and backward on an H200; other NVIDIA GPUs or inputs →
     "pallas_gpu"; CPU → "reference"), or one of "pallas_tpu", "pallas_gpu", "pallas_mgpu",
@@ -279,7 +286,7 @@ def attention(q, k, v, segment_ids=None, *, causal=True, scale=None, local_windo
   interpret: run a Pallas backend in Pallas interpret mode (on the CPU).
   Returns the output shaped like q, and with return_stats=True also an AttentionStats.
   """
-  _validate(q, k, v, segment_ids, causal, stabilizer, granularity, tau, local_window_size, logits_soft_cap)
+  _validate(q, k, v, segment_ids, causal, stabilizer, granularity, tau, local_window_size, logits_soft_cap, bound)
   separate_ids = isinstance(segment_ids, masks.SegmentIds)
   segment_ids = masks.segment_ids_of(segment_ids)
   window = masks.as_window(local_window_size, causal=causal)
@@ -315,7 +322,11 @@ def attention(q, k, v, segment_ids=None, *, causal=True, scale=None, local_windo
                    bool(interpret), window, softcap)
 
   stab = None
-  if stabilizer == "clis":
+  if stabilizer == "clis" and bound == "blocks":
+    stab = certificate.certify_blocks(qp, kp, vp, segp, causal=causal, scale=scale, tau=float(tau),
+                                      granularity=granularity, block_q=block_sizes.tile, seq_len=seq_len,
+                                      kv_seq_len=kv_seq_len, window=window, separate_ids=separate_ids, softcap=softcap)
+  elif stabilizer == "clis":
     stab = certificate.key_bounds(kp, vp, segp, causal=causal, tau=float(tau), block_q=block_sizes.tile,
                                   seq_len=kv_seq_len, separate_ids=separate_ids, window=window)
     # Kernels certify in their prologue with the row's own key as lower bound; separate ids need the

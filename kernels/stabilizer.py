@@ -352,8 +352,9 @@ def block_bounds(k, segment_ids, *, block: int, seq_len: int, budget: int = 32, 
 
   Each block gets its own centre, so a component that RoPE rotates slowly along the sequence (an
   outlier channel's offset) moves with the centres instead of inflating one global radius. A key
-  farther than `factor` × the median block radius from its block's centre (an attention sink, a
-  delimiter) is exceptional: up to `budget` of them per (batch, kv head) leave the blocks and are
+  far from its block's centre (an attention sink, a
+  delimiter) is exceptional (`factor` × the median key's distance: a statistic a few hundred sinks
+  cannot move): up to `budget` of them per (batch, kv head) leave the blocks and are
   scored exactly, so one sink no longer sets the bound of every row that sees its block.
   """
   k = jax.lax.stop_gradient(k).astype(jnp.float32)
@@ -371,8 +372,8 @@ def block_bounds(k, segment_ids, *, block: int, seq_len: int, budget: int = 32, 
     return centres, dev, radii
 
   keep = jnp.broadcast_to(valid, (batch, sk, hkv))
-  _, dev, radii = stats(keep)
-  cut = factor * jnp.median(radii, axis=-1)  # [B, Hkv]
+  _, dev, _ = stats(keep)
+  cut = factor * jnp.nanmedian(jnp.where(keep, dev, jnp.nan), axis=1)  # [B, Hkv]: robust to many sinks
   score = jnp.where(keep, dev, -1.0).transpose(0, 2, 1)  # [B, Hkv, Sk]
   top, where = jax.lax.top_k(score, max(0, min(budget, sk)))
   is_exceptional = top > cut[..., None]
@@ -383,7 +384,7 @@ def block_bounds(k, segment_ids, *, block: int, seq_len: int, budget: int = 32, 
 
 
 def block_row_bounds(q, k, segment_ids, bounds: BlockBounds, *, causal: bool, scale: float, block: int,
-                     window=None, separate_ids: bool = False):
+                     kv_len: int | None = None, window=None, separate_ids: bool = False, cap2: float | None = None):
   """Base-2 (U, L) [B, Hq, Sq] of every row from BlockBounds:
 
   U_i = max( max_{u visible} σ₂(q_i·c_u + ‖q_i‖ r_u),  max_{j ∈ E visible} σ₂ q_i·k_j ),
@@ -391,12 +392,15 @@ def block_row_bounds(q, k, segment_ids, bounds: BlockBounds, *, causal: bool, sc
   of other segments in a visible block only loosen it. Every visible ordinary key lies in a visible
   block within r_u of c_u (Cauchy–Schwarz), and exceptional keys are scored exactly, so U_i ≥ max_j s_ij.
   L_i = the row's own logit where it is visible (causal, local, packed), else σ₂ q_i·k̄ with k̄ the
-  exact mean of the keys it sees (max ≥ mean); raised to any visible exceptional key's exact score.
+  exact mean of the keys it sees (max ≥ mean); raised to the visible keys of the row's own block
+  and any visible exceptional key, scored exactly. kv_len: the real key count (block padding past it
+  is invisible); cap2: the base-2 soft cap, applied to both bounds (monotone).
   """
   q, k = jax.lax.stop_gradient((q, k))
   segment_ids = masks.segment_ids_of(segment_ids)
   batch, sq, hq, d = q.shape
   sk, hkv = k.shape[1], k.shape[2]
+  kv_len = sk if kv_len is None else kv_len
   group = hq // hkv
   sigma2 = scale * LOG2E
   qg = q.astype(jnp.float32).reshape(batch, sq, hkv, group, d)
@@ -432,28 +436,44 @@ def block_row_bounds(q, k, segment_ids, bounds: BlockBounds, *, causal: bool, sc
   if own_key_visible:
     lower = jnp.einsum("bihgd,bihd->bihg", qg, kf[:, :sq]) * sigma2
   else:
-    key_valid = masks.key_is_real(segment_ids, sk, sk)[..., None, None]
+    key_valid = masks.key_is_real(segment_ids, sk, kv_len)[..., None, None]
     if segment_ids is None:
       mean = jnp.where(key_valid, kf, 0.0).sum(1) / jnp.maximum(key_valid.sum(1), 1)  # [B, Hkv, D]
       lower = jnp.einsum("bihgd,bhd->bihg", qg, mean) * sigma2
     else:
       _, centre = _segment_means(kf, key_valid[..., 0, 0], segment_ids)  # [B, Sq, Hkv, D]
       lower = jnp.einsum("bihgd,bihd->bihg", qg, centre) * sigma2
+  if sq == sk:  # the row's own key block, scored exactly (the kernel computes it anyway): its visible max
+    own = kf.reshape(batch, sk // block, block, hkv, d)[:, jnp.arange(sq) // block]  # [B, Sq, block, Hkv, D]
+    s_own = jnp.einsum("bihgd,bijhd->bihgj", qg, own) * sigma2
+    i = jnp.arange(sq)[:, None]
+    j = (i // block) * block + jnp.arange(block)[None, :]  # [Sq, block]: the key positions of i's block
+    ok = j < kv_len
+    if causal:
+      ok = ok & (j <= i)
+    if window is not None:
+      ok = ok & (j >= i - window[0]) & (j <= i + window[1])
+    ok = ok[None, :, None, None, :]
+    if segment_ids is not None:
+      kv_ids = segment_ids.kv[:, j]  # [B, Sq, block]
+      ok = ok & ((segment_ids.q[:, :, None] == kv_ids) & (kv_ids != 0))[:, :, None, None, :]
+    lower = jnp.maximum(lower, jnp.where(ok, s_own, -jnp.inf).max(-1))
   lower = jnp.maximum(lower, exact)
-  to_heads = lambda x: x.reshape(batch, sq, hq).transpose(0, 2, 1)
+  to_heads = lambda x: soft_cap(x.reshape(batch, sq, hq).transpose(0, 2, 1), cap2)
   return to_heads(upper), to_heads(lower)
 
 
 def certify_blocks(q, k, v, segment_ids, *, causal: bool, scale: float, tau: float, granularity: str, block_q: int,
                    seq_len: int, kv_seq_len: int | None = None, window=None, separate_ids: bool = False,
-                   budget: int = 32) -> Certificate:
+                   softcap: float | None = None, budget: int = 32) -> Certificate:
   """The certificate from block centres and exceptional keys (`block_bounds`, `block_row_bounds`),
   in XLA; the same Certificate as `certify`, so every kernel's "cert" mode takes it."""
   segment_ids = masks.segment_ids_of(segment_ids)
   kv_seq_len = seq_len if kv_seq_len is None else kv_seq_len
   bounds = block_bounds(k, segment_ids, block=block_q, seq_len=kv_seq_len, budget=budget)
   upper, lower = block_row_bounds(q, k, segment_ids, bounds, causal=causal, scale=scale, block=block_q,
-                                  window=window, separate_ids=separate_ids)
+                                  kv_len=kv_seq_len, window=window, separate_ids=separate_ids,
+                                  cap2=None if softcap is None else softcap * LOG2E)
   batch, sq, hq, _ = q.shape
   group = hq // k.shape[2]
   headroom, floor = headroom_and_floor(v, segment_ids=segment_ids, seq_len=kv_seq_len)

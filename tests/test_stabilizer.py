@@ -22,12 +22,12 @@ from clis_kernels.stabilizer import LOG2E, Certificate
 BLOCK_Q = 16
 
 
-def true_row_max(q, k, segment_ids, causal, scale):
+def true_row_max(q, k, segment_ids, causal, scale, window=None):
   """[B, Hq, S] max visible logit in base 2, float64 (-inf where nothing is visible)."""
   q64, k64 = np.asarray(q, np.float64), np.asarray(k, np.float64)
   k64 = np.repeat(k64, q.shape[2] // k.shape[2], axis=2)
   s = np.einsum("bqhd,bkhd->bhqk", q64, k64) * scale * LOG2E
-  mask = ref.visible(q.shape[1], k.shape[1], None if segment_ids is None else np.asarray(segment_ids), causal)
+  mask = ref.visible(q.shape[1], k.shape[1], segment_ids, causal, window)
   return np.where(mask[:, None], s, -np.inf).max(-1)
 
 
@@ -63,31 +63,64 @@ def packed(seed, batch, seq):
 KINDS = ["gaussian", "common_component", "sink", "heavy_tail", "scaled", "aligned"]
 
 
+CERTIFY = {"radius": stabilizer.certify, "blocks": stabilizer.certify_blocks}
+
+
+@pytest.mark.parametrize("bound", list(CERTIFY))
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("causal,is_packed", [(True, False), (True, True), (False, False), (False, True)])
-def test_bounds_hold_and_certified_tiles_are_within_tau(kind, causal, is_packed):
+def test_bounds_hold_and_certified_tiles_are_within_tau(kind, causal, is_packed, bound):
   scale = 1 / math.sqrt(32)
   for seed in range(4):
     q, k, v = skewed_inputs(seed, kind)
     seg = packed(seed, q.shape[0], q.shape[1]) if is_packed else None
     tau = 8.0
-    cert = stabilizer.certify(q, k, v, seg, causal=causal, scale=scale, tau=tau, granularity="tile",
-                              block_q=BLOCK_Q, seq_len=q.shape[1])
-    row_max = true_row_max(q, k, seg, causal, scale)
-    seen = np.isfinite(row_max)
-    upper, lower = np.asarray(cert.upper, np.float64), np.asarray(cert.lower, np.float64)
-    slack = 1e-4 * (1 + np.abs(row_max[seen]))  # f32 arithmetic of the bound itself
-    assert np.all(upper[seen] >= row_max[seen] - slack), "upper bound below the true max"
-    assert np.all(lower[seen] <= row_max[seen] + slack), "lower bound above the true max"
-    tiles = np.repeat(np.asarray(cert.certified), BLOCK_Q, axis=-1)
-    certified_rows = tiles & seen
-    gap = upper - row_max
-    assert np.all(gap[certified_rows] <= tau * LOG2E + slack.max()), "a certified row is farther than tau"
-    # The stabilizer of a certified row never lets a weight exceed 2^h (no overflow).
-    headroom, _ = stabilizer.headroom_and_floor(v, segment_ids=seg, seq_len=q.shape[1])
-    top = row_max - np.asarray(cert.m)
-    h = np.repeat(np.asarray(headroom), q.shape[2] // k.shape[2], axis=1)[..., None]
-    assert np.all((top <= h + 1e-3)[certified_rows])
+    cert = CERTIFY[bound](q, k, v, seg, causal=causal, scale=scale, tau=tau, granularity="tile",
+                          block_q=BLOCK_Q, seq_len=q.shape[1])
+    _check_sound(cert, q, k, v, seg, causal, scale, tau)
+
+
+def _check_sound(cert, q, k, v, seg, causal, scale, tau, window=None):
+  """U >= the true row max >= L (f32 slack), certified rows within tau of U, no weight above 2^h."""
+  row_max = true_row_max(q, k, seg, causal, scale, window)
+  seen = np.isfinite(row_max)
+  upper, lower = np.asarray(cert.upper, np.float64), np.asarray(cert.lower, np.float64)
+  slack = 1e-4 * (1 + np.abs(row_max[seen]))  # f32 arithmetic of the bound itself
+  assert np.all(upper[seen] >= row_max[seen] - slack), "upper bound below the true max"
+  assert np.all(lower[seen] <= row_max[seen] + slack), "lower bound above the true max"
+  tiles = np.repeat(np.asarray(cert.certified), BLOCK_Q, axis=-1)
+  certified_rows = tiles & seen
+  gap = upper - row_max
+  assert np.all(gap[certified_rows] <= tau * LOG2E + slack.max()), "a certified row is farther than tau"
+  # The stabilizer of a certified row never lets a weight exceed 2^h (no overflow).
+  headroom, _ = stabilizer.headroom_and_floor(v, segment_ids=seg, seq_len=k.shape[1])
+  top = row_max - np.asarray(cert.m)
+  h = np.repeat(np.asarray(headroom), q.shape[2] // k.shape[2], axis=1)[..., None]
+  assert np.all((top <= h + 1e-3)[certified_rows])
+
+
+@pytest.mark.parametrize("family", ["sink0", "sinks_many", "outlier_channels", "rope_5e5_wide", "packed_sinks"])
+@pytest.mark.parametrize("causal,window", [(True, None), (False, None), (True, (40, 0)), (False, (24, 24))])
+def test_block_bound_is_sound_on_pretrained_like_inputs(family, causal, window):
+  from clis_kernels.testing import inputs
+  q, k, v, _, seg = inputs(family, 2, 128, 4, 2, 32, dtype=jnp.float32)
+  scale = 1 / math.sqrt(32)
+  cert = stabilizer.certify_blocks(q, k, v, seg, causal=causal, scale=scale, tau=64.0, granularity="tile",
+                                   block_q=BLOCK_Q, seq_len=q.shape[1], window=window)
+  _check_sound(cert, q, k, v, seg, causal, scale, 64.0, window)
+
+
+def test_block_bound_is_sound_with_separate_ids_and_unequal_lengths():
+  rng = np.random.default_rng(3)
+  q = jnp.asarray(rng.standard_normal((2, 48, 4, 32)) * 3, jnp.float32)
+  k = jnp.asarray(rng.standard_normal((2, 80, 2, 32)) + 2.0, jnp.float32).at[:, 7].multiply(20.0)
+  v = jnp.asarray(rng.standard_normal((2, 80, 2, 32)), jnp.float32)
+  seg = stabilizer.masks.SegmentIds(jnp.asarray(np.repeat([[1] * 20 + [2] * 20 + [0] * 8], 2, 0), jnp.int32),
+                                    jnp.asarray(np.repeat([[1] * 30 + [2] * 40 + [0] * 10], 2, 0), jnp.int32))
+  scale = 1 / math.sqrt(32)
+  cert = stabilizer.certify_blocks(q, k, v, seg, causal=False, scale=scale, tau=64.0, granularity="tile",
+                                   block_q=BLOCK_Q, seq_len=48, kv_seq_len=80, separate_ids=True)
+  _check_sound(cert, q, k, v, seg, False, scale, 64.0)
 
 
 def test_sink_and_scale_make_certification_fail():
