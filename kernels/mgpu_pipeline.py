@@ -35,7 +35,7 @@ def kv_blocks(row0, rows, *, causal: bool, block_kv: int, num_kv_blocks: int, kv
   when not causal, so those loops get static bounds)."""
   if causal:
     return masks.causal_kv_blocks(lax.div(row0, jnp.int32(rows)), block_q=rows, block_k=block_kv,
-                                  num_kv_blocks=num_kv_blocks, div=lax.div)
+                                  num_kv_blocks=num_kv_blocks, div=masks.idiv)
   return masks.bidirectional_kv_blocks(kv_len=kv_len, block_k=block_kv, num_kv_blocks=num_kv_blocks)
 
 

@@ -196,11 +196,11 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
     bidirectional (padded keys need no mask here: their dK, dV rows are cut off by the caller)."""
     if causal:
       return masks.causal_q_blocks(lax.div(kv0, jnp.int32(rows)), block_q=ROWS, block_k=rows,
-                                   num_q_blocks=num_q_blocks, div=lax.div)
+                                   num_q_blocks=num_q_blocks, div=masks.idiv)
     return 0, 0
 
   cta_first, _ = q_range(cta_kv0, COMPUTE_WARPGROUPS * ROWS)
-  per_head = num_q_blocks - cta_first  # q blocks the CTA streams for each head of the group
+  per_head = jnp.asarray(num_q_blocks - cta_first, jnp.int32)  # q blocks the CTA streams per head of the group
 
   def body(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, k_ready, v_ready, q_ready, do_ready, lse_ready,
            delta_ready, free, *seg_scratch):

@@ -377,3 +377,20 @@ def test_vmap_and_zero_length_on_gpu():
     np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=1e-2, atol=1e-5)
   empty = jnp.zeros((1, 0, 4, 64), jnp.bfloat16)
   assert attention(empty, empty, empty, implementation="pallas_mgpu").shape == empty.shape
+
+
+@needs_gpu
+def test_nan_propagates_and_x64_works_on_gpu():
+  """A NaN query row gives a NaN output row, as dense attention does; jax_enable_x64 changes nothing."""
+  q, k, v, do = random_inputs(12, 1, 300, 4, 2, 128, jnp.bfloat16)
+  bad = q.at[0, 5, 0, 3].set(jnp.nan)
+  for causal in (True, False):
+    out = np.asarray(attention(bad, k, v, causal=causal, implementation="pallas_mgpu"), np.float32)
+    dense = np.asarray(attention(bad, k, v, causal=causal, implementation="xla"), np.float32)
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(dense))
+    assert np.isnan(out[0, 5, 0]).all()
+  plain = jax.vjp(lambda q, k, v: attention(q, k, v, implementation="pallas_mgpu"), q, k, v)
+  with jax.enable_x64(True):
+    wide = jax.vjp(lambda q, k, v: attention(q, k, v, implementation="pallas_mgpu"), q, k, v)
+    for a, b in zip((plain[0], *plain[1](do)), (wide[0], *wide[1](do))):
+      np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
