@@ -91,7 +91,7 @@ def _jsonl_records(path: pathlib.Path, skip_bad_lines: bool):
         continue
       yield path, line_no, record
   if bad:
-    warnings.warn(f"{path}: skipped {bad} bad lines (data.skip_bad_lines=true)")
+    warnings.warn(f"{path}: skipped {bad} malformed or non-UTF-8 lines (data.skip_bad_lines=true)")
 
 
 TEXT_SUFFIXES = (".txt", ".text", ".md", ".rst", ".py", ".pyi", ".c", ".h", ".cc", ".cpp", ".rs", ".go", ".java",

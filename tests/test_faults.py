@@ -230,7 +230,7 @@ def test_bad_bytes_and_stray_files_are_named_skipped_or_counted(tmp_path):
   jsonl.write_bytes(b'{"text": "first document here"}\n{"text": "caf\xe9 in latin-1"}\n{"text": "third one"}\n')
   with pytest.raises(data.DataError, match=r"docs.jsonl:2: not UTF-8 \(byte \d+ of the line\)"):
     data.read_cpt_documents(str(jsonl), fmt="auto", text_field="text", skip_bad_lines=False)
-  with pytest.warns(UserWarning, match="skipped 1 bad lines"):
+  with pytest.warns(UserWarning, match="skipped 1 malformed or non-UTF-8 lines"):
     docs = data.read_cpt_documents(str(jsonl), fmt="auto", text_field="text", skip_bad_lines=True)
   assert docs == ["first document here", "third one"]
   folder = tmp_path / "corpus"
