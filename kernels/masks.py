@@ -43,20 +43,30 @@ def visible(q_pos, k_pos, q_seg, k_seg, *, causal: bool, kv_len: int | None, win
   hidden (None when nothing needs hiding by position). window: (left, right), a query at i sees
   keys i − left ≤ j ≤ i + right only (local attention), or None.
   """
+  by_position = causal or window is not None  # expand only what the rule reads: no dead ops in kernels
+  q_pos = q_pos[:, None] if by_position else None
+  k_pos = k_pos[None, :] if by_position or kv_len is not None else None
+  q_seg, k_seg = (None, None) if q_seg is None else (q_seg[:, None], k_seg[None, :])
+  return visible_pairs(q_pos, k_pos, q_seg, k_seg, causal=causal, kv_len=kv_len, window=window)
+
+
+def visible_pairs(q_pos, k_pos, q_seg, k_seg, *, causal: bool, kv_len: int | None, window=None):
+  """The same rule elementwise, on arrays that broadcast against each other (any shape): whether
+  the key at k_pos (id k_seg) is visible to the query at q_pos (id q_seg); None when nothing hides."""
   mask = None
 
   def both(a, b):
     return b if a is None else jnp.logical_and(a, b)
 
   if causal:
-    mask = both(mask, q_pos[:, None] >= k_pos[None, :])
+    mask = both(mask, q_pos >= k_pos)
   if q_seg is not None:
-    mask = both(mask, jnp.logical_and(q_seg[:, None] == k_seg[None, :], k_seg[None, :] != 0))
+    mask = both(mask, jnp.logical_and(q_seg == k_seg, k_seg != 0))
   if kv_len is not None:
-    mask = both(mask, k_pos[None, :] < kv_len)
+    mask = both(mask, k_pos < kv_len)
   if window is not None:
     left, right = window
-    offset = k_pos[None, :] - q_pos[:, None]
+    offset = k_pos - q_pos
     mask = both(mask, jnp.logical_and(offset >= -left, offset <= right))
   return mask
 

@@ -315,8 +315,9 @@ def certify_rows(q, k, segment_ids, keys: KeyBounds, *, causal: bool, scale: flo
 
   q: [B, Sq, Hq, D] with Sq a multiple of block_q; k: [B, Sk, Hkv, D]; seq_len: the real query
   length. The lower bound is the row's own key when it is visible (causal, local, or packed with one
-  set of ids), else q·c with c the mean of the keys it sees. softcap: c of c·tanh(s / c), or None. Not differentiated: the stabilizer only
-  shifts the softmax, which leaves its value and gradient unchanged.
+  set of ids), else q·c with c the mean of the keys it sees. softcap: c of c·tanh(s / c), or None.
+  Not differentiated: the stabilizer only shifts the softmax, which leaves its value and gradient
+  unchanged.
   """
   q, k = jax.lax.stop_gradient((q, k))
   segment_ids = masks.segment_ids_of(segment_ids)
@@ -332,20 +333,33 @@ def certify_rows(q, k, segment_ids, keys: KeyBounds, *, causal: bool, scale: flo
   per_tile = keys.radius.shape[-1] > 1  # causal or local: each tile's own radius
   radius = jnp.broadcast_to(jnp.repeat(keys.radius, block_q, axis=-1) if per_tile else keys.radius,
                             (batch, hkv, sq)).transpose(0, 2, 1)[..., None]  # [B, Sq, Hkv, 1]
-  own_key_visible = causal or window is not None or (segment_ids is not None and not separate_ids)
-  k_diag = k.astype(jnp.float32)[:, :, :, None] if own_key_visible else None
+  own_key = own_key_visible(causal=causal, window=window, segment_ids=segment_ids, separate_ids=separate_ids)
+  k_diag = k.astype(jnp.float32)[:, :, :, None] if own_key else None
   upper, lower = row_bounds(qg, centre, radius, k_diag, sigma2=scale * LOG2E,
                             cap2=None if softcap is None else softcap * LOG2E)
   to_heads = lambda x: x.reshape(batch, sq, hq).transpose(0, 2, 1)
-  upper, lower = to_heads(upper), to_heads(lower)
+  return _certificate(to_heads(upper), to_heads(lower), keys.headroom, keys.threshold, segment_ids,
+                      block_q=block_q, seq_len=seq_len, granularity=granularity)
+
+
+def own_key_visible(*, causal: bool, window, segment_ids, separate_ids: bool) -> bool:
+  """Whether each row's own key (same position) is always visible, so its logit is a lower bound."""
+  return causal or window is not None or (segment_ids is not None and not separate_ids)
+
+
+def _certificate(upper, lower, headroom, threshold, segment_ids, *, block_q: int, seq_len: int,
+                 granularity: str) -> Certificate:
+  """The certificate from base-2 row bounds [B, Hq, Sq] and the per-(batch, kv head) headroom and
+  threshold [B, Hkv]: M and the per-tile (or per-head) pass."""
+  batch, hq, sq = upper.shape
+  group = hq // headroom.shape[1]
   per_head = lambda x: jnp.repeat(x, group, axis=1)[..., None]  # [B, Hkv] -> [B, Hq, 1]
   row_real = masks.query_is_real(segment_ids, sq, seq_len)[:, None, :]  # [B, 1, Sq]
-  m, row_ok = stabilize(upper, lower, per_head(keys.headroom), per_head(keys.threshold), row_real)
+  m, row_ok = stabilize(upper, lower, per_head(headroom), per_head(threshold), row_real)
   certified = row_ok.reshape(batch, hq, sq // block_q, block_q).all(-1)
   if granularity == "head":
     certified = jnp.broadcast_to(certified.all(-1, keepdims=True), certified.shape)
-  return Certificate(m=m, certified=certified, upper=upper, lower=lower,
-                     threshold=jnp.repeat(keys.threshold, group, axis=1))
+  return Certificate(m=m, certified=certified, upper=upper, lower=lower, threshold=jnp.repeat(threshold, group, axis=1))
 
 
 # ----------------------------------------------------------------------------- exceptional keys, block centres
@@ -428,40 +442,36 @@ def block_row_bounds(q, k, segment_ids, bounds: BlockBounds, *, causal: bool, sc
   q_norm = jnp.linalg.norm(qg, axis=-1)  # [B, Sq, Hkv, G]
   blocks = jnp.arange(bounds.centres.shape[1])[None, :]
 
-  def blocks_upper(rows_q):  # one chunk of rows: the [rows, num_blocks] bound stays small at 32k
-    rows, q_chunk, norm = rows_q
+  def blocks_upper(chunk):  # one chunk of rows: the [rows, num_blocks] bound stays small at 32k
+    rows, q_chunk, norm = chunk
     per_block = (jnp.einsum("bihgd,buhd->bihgu", q_chunk, bounds.centres)
                  + norm[..., None] * bounds.radii[:, None, :, None, :])
     sees = jnp.ones((rows.shape[0], blocks.shape[1]), bool)
     if causal:
       sees = blocks * block <= rows[:, None]
     if window is not None:
-      sees = sees & ((blocks + 1) * block - 1 >= rows[:, None] - window[0]) & (blocks * block <= rows[:, None] + window[1])
+      first_key, last_key = blocks * block, (blocks + 1) * block - 1
+      sees = sees & (last_key >= rows[:, None] - window[0]) & (first_key <= rows[:, None] + window[1])
     return jnp.where(sees[None, :, None, None, :], per_block, -jnp.inf).max(-1)
 
-  chunk = next(c for c in (2048, 1024, 512, 256, 128, 64, 32, 16, 8, 4, 2, 1) if sq % c == 0)
-  split = lambda x: jnp.moveaxis(x.reshape(batch, sq // chunk, chunk, *x.shape[2:]), 1, 0)
-  upper = jax.lax.map(blocks_upper, (jnp.arange(sq).reshape(-1, chunk), split(qg), split(q_norm)))
+  rows = next(c for c in (2048, 1024, 512, 256, 128, 64, 32, 16, 8, 4, 2, 1) if sq % c == 0)
+  split = lambda x: jnp.moveaxis(x.reshape(batch, sq // rows, rows, *x.shape[2:]), 1, 0)
+  upper = jax.lax.map(blocks_upper, (jnp.arange(sq).reshape(-1, rows), split(qg), split(q_norm)))
   upper = jnp.moveaxis(upper, 0, 1).reshape(batch, sq, hkv, group) * sigma2  # [B, Sq, Hkv, G]
 
   positions = bounds.exceptional  # [B, Hkv, E]
   k_e = jnp.take_along_axis(kf, positions.transpose(0, 2, 1)[..., None], axis=1)  # [B, E, Hkv, D]
   s_e = jnp.einsum("bihgd,behd->bihge", qg, k_e) * sigma2
-  seen = jnp.broadcast_to(bounds.is_exceptional[:, None, :, None, :], s_e.shape)  # [B, Sq, Hkv, G, E]
-  pos = positions[:, None, :, None, :]
-  if causal:
-    seen = seen & (pos <= jnp.arange(sq)[None, :, None, None, None])
-  if window is not None:
-    i = jnp.arange(sq)[None, :, None, None, None]
-    seen = seen & (pos >= i - window[0]) & (pos <= i + window[1])
-  if segment_ids is not None:
-    kv_ids = jnp.take_along_axis(segment_ids.kv[:, None, :], positions, axis=2)  # [B, Hkv, E]
-    seen = seen & (segment_ids.q[:, :, None, None, None] == kv_ids[:, None, :, None, :])
+  q_ids = None if segment_ids is None else segment_ids.q[:, :, None, None, None]
+  kv_ids = None if segment_ids is None else jnp.take_along_axis(segment_ids.kv[:, None, :], positions, axis=2)
+  seen = masks.visible_pairs(jnp.arange(sq)[None, :, None, None, None], positions[:, None, :, None, :], q_ids,
+                             None if kv_ids is None else kv_ids[:, None, :, None, :], causal=causal, kv_len=None,
+                             window=window)  # [B, Sq, Hkv, 1, E]
+  seen = bounds.is_exceptional[:, None, :, None, :] & (True if seen is None else seen)
   exact = jnp.where(seen, s_e, -jnp.inf).max(-1, initial=-jnp.inf)  # [B, Sq, Hkv, G]
   upper = jnp.maximum(upper, exact)
 
-  own_key_visible = causal or window is not None or (segment_ids is not None and not separate_ids)
-  if own_key_visible:
+  if own_key_visible(causal=causal, window=window, segment_ids=segment_ids, separate_ids=separate_ids):
     lower = jnp.einsum("bihgd,bihd->bihg", qg, kf[:, :sq]) * sigma2
   else:
     key_valid = masks.key_is_real(segment_ids, sk, kv_len)[..., None, None]
@@ -473,20 +483,13 @@ def block_row_bounds(q, k, segment_ids, bounds: BlockBounds, *, causal: bool, sc
       lower = jnp.einsum("bihgd,bihd->bihg", qg, centre) * sigma2
   own_block = block if own_block is None else own_block
   if sq == sk:  # the row's own key block, scored exactly (the kernel computes it anyway): its visible max
-    block = own_block
-    own = kf.reshape(batch, sk // block, block, hkv, d)[:, jnp.arange(sq) // block]  # [B, Sq, block, Hkv, D]
+    own = kf.reshape(batch, sk // own_block, own_block, hkv, d)[:, jnp.arange(sq) // own_block]
     s_own = jnp.einsum("bihgd,bijhd->bihgj", qg, own) * sigma2
     i = jnp.arange(sq)[:, None]
-    j = (i // block) * block + jnp.arange(block)[None, :]  # [Sq, block]: the key positions of i's block
-    ok = j < kv_len
-    if causal:
-      ok = ok & (j <= i)
-    if window is not None:
-      ok = ok & (j >= i - window[0]) & (j <= i + window[1])
-    ok = ok[None, :, None, None, :]
-    if segment_ids is not None:
-      kv_ids = segment_ids.kv[:, j]  # [B, Sq, block]
-      ok = ok & ((segment_ids.q[:, :, None] == kv_ids) & (kv_ids != 0))[:, :, None, None, :]
+    j = (i // own_block) * own_block + jnp.arange(own_block)[None, :]  # [Sq, own_block]: i's block's keys
+    ok = masks.visible_pairs(i[None], j[None], None if segment_ids is None else segment_ids.q[:, :, None],
+                             None if segment_ids is None else segment_ids.kv[:, j], causal=causal, kv_len=kv_len,
+                             window=window)[:, :, None, None, :]  # [B or 1, Sq, 1, 1, own_block]
     lower = jnp.maximum(lower, jnp.where(ok, s_own, -jnp.inf).max(-1))
   lower = jnp.maximum(lower, exact)
   to_heads = lambda x: soft_cap(x.reshape(batch, sq, hq).transpose(0, 2, 1), cap2)
@@ -498,8 +501,8 @@ def certify_blocks(q, k, v, segment_ids, *, causal: bool, scale: float, tau: flo
                    softcap: float | None = None, budget: int = 32, key_block: int | None = None) -> Certificate:
   """The certificate from block centres and exceptional keys (`block_bounds`, `block_row_bounds`),
   in XLA; the same Certificate as `certify`, so every kernel's "cert" mode takes it. key_block:
-  keys per centre (default 16: smaller blocks track rotating components more closely; at 8k, 16
-  certified 90-99% of the sink/outlier families' tiles where 64 certified 75-81%)."""
+  keys per centre (default 16: smaller blocks track rotating components more closely; the measured
+  effect is in BENCHMARKS.md, issue 16)."""
   segment_ids = masks.segment_ids_of(segment_ids)
   kv_seq_len = seq_len if kv_seq_len is None else kv_seq_len
   key_block = min(16, block_q) if key_block is None else key_block
@@ -507,14 +510,6 @@ def certify_blocks(q, k, v, segment_ids, *, causal: bool, scale: float, tau: flo
   upper, lower = block_row_bounds(q, k, segment_ids, bounds, causal=causal, scale=scale, block=key_block,
                                   kv_len=kv_seq_len, window=window, separate_ids=separate_ids,
                                   cap2=None if softcap is None else softcap * LOG2E, own_block=block_q)
-  batch, sq, hq, _ = q.shape
-  group = hq // k.shape[2]
   headroom, floor = headroom_and_floor(v, segment_ids=segment_ids, seq_len=kv_seq_len)
-  threshold = jnp.minimum(tau * LOG2E, headroom + floor)
-  per_head = lambda x: jnp.repeat(x, group, axis=1)[..., None]
-  row_real = masks.query_is_real(segment_ids, sq, seq_len)[:, None, :]
-  m, row_ok = stabilize(upper, lower, per_head(headroom), per_head(threshold), row_real)
-  certified = row_ok.reshape(batch, hq, sq // block_q, block_q).all(-1)
-  if granularity == "head":
-    certified = jnp.broadcast_to(certified.all(-1, keepdims=True), certified.shape)
-  return Certificate(m=m, certified=certified, upper=upper, lower=lower, threshold=jnp.repeat(threshold, group, axis=1))
+  return _certificate(upper, lower, headroom, jnp.minimum(tau * LOG2E, headroom + floor), segment_ids,
+                      block_q=block_q, seq_len=seq_len, granularity=granularity)
