@@ -147,24 +147,45 @@ def restore_latest(mngr: ocp.CheckpointManager, abstract_state, data_iter, *, on
   return None, None
 
 
-def load_params(path: str, abstract_params):
-  """Parameters from an orbax run folder/checkpoint, or a Hugging Face Llama safetensors folder."""
+def _reader(path: str) -> ocp.CheckpointManager:
+  root = pathlib.Path(path)
+  ckpt_root = root / "checkpoints" if (root / "checkpoints").is_dir() else root
+  return ocp.CheckpointManager(ckpt_root.absolute(), item_handlers=_handlers())
+
+
+def saved_steps(path: str, what: str = "checkpoint") -> list[int]:
+  """The steps saved under a run folder (or its checkpoints/ folder), oldest first."""
+  if not pathlib.Path(path).is_dir():
+    raise CheckpointError(f"{what}={path!r} is not a folder")
+  with _reader(path) as mngr:
+    return sorted(mngr.all_steps())
+
+
+def load_params(path: str, abstract_params, *, step: int | None = None, what: str = "checkpoint.init_from"):
+  """Parameters from an orbax run folder/checkpoint (the newest step, or `step`), or a Hugging Face
+  Llama safetensors folder. `what` names the argument in errors."""
   root = pathlib.Path(path)
   if not root.exists():
-    raise CheckpointError(f"checkpoint.init_from={path!r} does not exist")
+    raise CheckpointError(f"{what}={path!r} does not exist")
   if list(root.glob("*.safetensors")):
     from clis_train import hf
     params = hf.load_llama_safetensors(root, abstract_params)
   else:
-    ckpt_root = root / "checkpoints" if (root / "checkpoints").is_dir() else root
-    mngr = ocp.CheckpointManager(ckpt_root.absolute(), item_handlers=_handlers())
-    step = mngr.latest_step()
-    if step is None:
-      raise CheckpointError(f"checkpoint.init_from={path!r} holds no orbax checkpoint steps")
-    meta = mngr.item_metadata(step)["state"]["params"]
-    _check_shapes(meta, abstract_params, f"checkpoint.init_from={path!r} (step {step})")
-    restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
-    params = restored["state"]["params"]
+    with _reader(path) as mngr:
+      steps = sorted(mngr.all_steps())
+      if not steps:
+        raise CheckpointError(f"{what}={path!r} holds no orbax checkpoint steps (nor *.safetensors)")
+      if step is None:
+        step = steps[-1]
+      elif step not in steps:
+        raise CheckpointError(f"{what}={path!r} has no step {step}; saved steps: {steps}")
+      problem = verify(mngr, step)
+      if problem is not None:
+        raise CheckpointError(f"{what}={path!r} step {step} is damaged: {problem}")
+      meta = mngr.item_metadata(step)["state"]["params"]
+      _check_shapes(meta, abstract_params, f"{what}={path!r} (step {step})")
+      restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+      params = restored["state"]["params"]
   _check_shapes(jax.tree.map(lambda x: np.empty(np.shape(x), np.int8), params), abstract_params,
-                f"checkpoint.init_from={path!r}")
+                f"{what}={path!r}")
   return params

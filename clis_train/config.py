@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import math
 import pathlib
 import types
@@ -45,6 +46,7 @@ class DataConfig:
   eval_path: str | None = None  # None: hold out eval_fraction of the training documents
   format: str = "auto"  # auto | text | jsonl | parquet
   text_field: str = "text"
+  file_suffixes: str | None = None  # a folder's files to read, e.g. ".py,.md,.rst"; None: every text/data suffix
   tokenizer: str = "byte"  # byte | path to a Hugging Face tokenizer.json
   seq_len: int = 256
   per_device_batch: int = 8  # global batch = per_device_batch x number of devices
@@ -213,6 +215,17 @@ def _read_yaml(path: pathlib.Path, tree: dict, seen: tuple = ()) -> None:
     _merge(tree, str(key), value, str(path))
 
 
+def parse_suffixes(text: str | None) -> tuple[str, ...] | None:
+  """data.file_suffixes ('.py,.md,.rst') as a tuple; None stays None (every known suffix)."""
+  if text is None:
+    return None
+  suffixes = tuple(s.strip().lower() for s in text.split(",") if s.strip())
+  bad = [s for s in suffixes if not s.startswith(".")]
+  if not suffixes or bad:
+    raise ConfigError(f"data.file_suffixes={text!r} must be comma-separated suffixes with dots, e.g. '.py,.md,.rst'")
+  return suffixes
+
+
 def _validate(cfg: Config) -> None:
   def need(ok, message):
     if not ok:
@@ -237,6 +250,7 @@ def _validate(cfg: Config) -> None:
   need(cfg.checkpoint.on_corrupt in ("error", "previous"),
        f"checkpoint.on_corrupt={cfg.checkpoint.on_corrupt!r} must be error or previous")
   need(cfg.data.packing_bins >= 1, f"data.packing_bins={cfg.data.packing_bins} must be >= 1")
+  parse_suffixes(cfg.data.file_suffixes)
   need(0.0 <= cfg.data.eval_fraction < 1.0, f"data.eval_fraction={cfg.data.eval_fraction} must be in [0, 1)")
   o = cfg.optim
   need(math.isfinite(o.lr) and o.lr > 0, f"optim.lr={o.lr} must be a positive finite number")
@@ -256,6 +270,26 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
   tree: dict = {}
   if path is not None:
     _read_yaml(pathlib.Path(path), tree)
+  return _build(tree, overrides)
+
+
+def load_run_config(run_dir: str, overrides: list[str] = ()) -> Config:
+  """The config a run trained with (run_dir/config.json, written at every start), with overrides."""
+  path = pathlib.Path(run_dir) / "config.json"
+  if not path.is_file():
+    raise ConfigError(f"{str(run_dir)!r} is not a run folder: it has no config.json (a training run writes one "
+                      "when it starts); pass the run_dir a training run used")
+  try:
+    saved = json.loads(path.read_text())
+  except json.JSONDecodeError as e:
+    raise ConfigError(f"{path}: not valid JSON ({e})") from None
+  tree: dict = {}
+  for key, value in saved.items():
+    _merge(tree, key, value, str(path))
+  return _build(tree, overrides)
+
+
+def _build(tree: dict, overrides) -> Config:
   for item in overrides:
     if "=" not in item:
       raise ConfigError(f"override {item!r} must look like key=value")

@@ -21,6 +21,7 @@ import warnings
 import grain
 import numpy as np
 
+from clis_train.config import parse_suffixes
 from clis_train.errors import DataError
 
 SFT_TEMPLATE = "<|user|>\n{prompt}\n<|assistant|>\n"  # the response follows, then EOS
@@ -110,22 +111,29 @@ def _text_or_none(file: pathlib.Path) -> str | None:
     return None
 
 
-def _files(path: str, fmt: str = "auto") -> list[pathlib.Path]:
-  """The files to read: path itself, or the files under a folder whose suffix names a format
-  (TEXT_SUFFIXES, DATA_SUFFIXES; any with data.format set), others skipped with one warning."""
+def _files(path: str, fmt: str = "auto", suffixes: tuple[str, ...] | None = None) -> list[pathlib.Path]:
+  """The files to read: path itself, or the files under a folder whose suffix is in `suffixes`
+  (default: one that names a format, TEXT_SUFFIXES or DATA_SUFFIXES; any with data.format set),
+  others skipped with one warning."""
   root = pathlib.Path(path)
   if not root.exists():
     raise DataError(f"data path {path!r} does not exist")
   if not root.is_dir():
     return [root]
   found = sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith("."))
-  files = [p for p in found if fmt != "auto" or p.suffix.lower() in TEXT_SUFFIXES + tuple(DATA_SUFFIXES)]
+  if suffixes is not None:
+    files = [p for p in found if p.suffix.lower() in suffixes]
+  else:
+    files = [p for p in found if fmt != "auto" or p.suffix.lower() in TEXT_SUFFIXES + tuple(DATA_SUFFIXES)]
   skipped = [str(p.relative_to(root)) for p in sorted(root.rglob("*")) if p.is_file() and p not in files]
   if skipped:
-    warnings.warn(f"{path}: skipped {len(skipped)} files that are not text or a data format: "
-                  f"{', '.join(skipped[:10])}{' ...' if len(skipped) > 10 else ''} (set data.format to read them)")
+    hint = "not in data.file_suffixes" if suffixes is not None else "not text or a data format (set data.format "\
+        "or data.file_suffixes to read them)"
+    warnings.warn(f"{path}: skipped {len(skipped)} files, {hint}: {', '.join(skipped[:10])}"
+                  f"{' ...' if len(skipped) > 10 else ''}")
   if not files:
-    raise DataError(f"data path {path!r} holds no text, JSONL or Parquet files")
+    raise DataError(f"data path {path!r} holds no " + (f"files ending in {', '.join(suffixes)}" if suffixes
+                                                       else "text, JSONL or Parquet files"))
   return files
 
 
@@ -135,9 +143,10 @@ def _format(file: pathlib.Path, fmt: str) -> str:
   return DATA_SUFFIXES.get(file.suffix.lower(), "text")
 
 
-def read_cpt_documents(path: str, *, fmt: str, text_field: str, skip_bad_lines: bool) -> list[str]:
-  docs, binary = [], []
-  files = _files(path, fmt)
+def read_cpt_documents(path: str, *, fmt: str, text_field: str, skip_bad_lines: bool,
+                       suffixes: tuple[str, ...] | None = None) -> list[str]:
+  docs, binary, empty = [], [], []
+  files = _files(path, fmt, suffixes)
   for file in files:
     kind = _format(file, fmt)
     before = len(docs)
@@ -164,9 +173,14 @@ def read_cpt_documents(path: str, *, fmt: str, text_field: str, skip_bad_lines: 
         raise DataError(f"{file}: no column {text_field!r}; columns are {table.column_names}")
       docs += [t for t in table.column(text_field).to_pylist() if isinstance(t, str)]
     if len(docs) == before or not any(d.strip() for d in docs[before:]):
-      raise DataError(f"{file}: empty (no documents)")
+      if len(files) == 1:
+        raise DataError(f"{file}: empty (no documents)")
+      del docs[before:]
+      empty.append(str(file))  # in a folder (empty __init__.py, say): skipped, counted in one warning
   if binary:
     warnings.warn(f"{path}: skipped {len(binary)} files that are not UTF-8 text: {', '.join(binary[:10])}")
+  if empty:
+    warnings.warn(f"{path}: skipped {len(empty)} empty files: {', '.join(empty[:5])}{' ...' if len(empty) > 5 else ''}")
   if not docs:
     raise DataError(f"data path {path!r}: no file held UTF-8 text")
   return docs
@@ -299,7 +313,8 @@ def build_examples(data_cfg, tokenizer) -> Examples:
   seq, long = data_cfg.seq_len, data_cfg.long_sequences
   if data_cfg.kind == "cpt":
     read = lambda p: read_cpt_documents(p, fmt=data_cfg.format, text_field=data_cfg.text_field,
-                                        skip_bad_lines=data_cfg.skip_bad_lines)
+                                        skip_bad_lines=data_cfg.skip_bad_lines,
+                                        suffixes=parse_suffixes(data_cfg.file_suffixes))
     items = read(data_cfg.train_path) if data_cfg.train_path else embedded_cpt_documents()
     make = lambda xs: cpt_examples(xs, tokenizer, seq, long)
   else:

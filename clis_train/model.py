@@ -2,8 +2,9 @@
 
 Parameters are float32 (master weights); activations run in `dtype` (bf16 by default).
 Attention has one call site, `Attention.__call__`, which calls the function the trainer
-built from `attention:` (clis_train/attention.py). Layout: tokens [B, S] int32;
-positions and segment_ids [B, S] from packing (segment 0 = padding).
+built from `attention:` (clis_train/attention.py); its post-RoPE q, k, v are sown into the
+"activations" collection, which costs nothing unless an analysis applies the model with it mutable.
+Layout: tokens [B, S] int32; positions and segment_ids [B, S] from packing (segment 0 = padding).
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ class Attention(nn.Module):
     k = _dense(d.n_kv_heads * d.head_dim, "wk", self.dtype)(x).reshape(b, s, d.n_kv_heads, d.head_dim)
     v = _dense(d.n_kv_heads * d.head_dim, "wv", self.dtype)(x).reshape(b, s, d.n_kv_heads, d.head_dim)
     q, k = rope(q, positions, d.rope_theta), rope(k, positions, d.rope_theta)
+    self.sow("activations", "qkv", (q, k, v))  # kept only when applied with mutable=["activations"]
     out, certified = self.attend(q, k, v, segment_ids)
     self.sow("intermediates", "certified_fraction", certified)
     return _dense(d.dim, "wo", self.dtype)(out.reshape(b, s, d.n_heads * d.head_dim))

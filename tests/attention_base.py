@@ -7,6 +7,8 @@ block padding and fallback paths all run). Tolerances are keyed by dtype.
 
 from __future__ import annotations
 
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,6 +24,22 @@ from clis_kernels.testing import inputs as pretrained_like
 TOLERANCE = {jnp.float32: (1e-5, 5e-5), jnp.bfloat16: (1e-2, 2e-2)}
 # bf16 `clis` error may exceed the `online` path's error on the same inputs by at most this factor.
 CLIS_VS_ONLINE = 1.25
+
+# q, k, v of a model our trainer trained on real text (scripts/activation_stats.py; tests/data/README.md)
+REAL_SAMPLE = pathlib.Path(__file__).parent / "data" / "real_small_qkv.safetensors"
+REAL_LAYERS = [1, pytest.param(6, marks=pytest.mark.slow), pytest.param(11, marks=pytest.mark.slow)]
+
+
+def real_activations(layer: int, seq: int = 256, kv_heads: int = 2):
+  """bf16 q [1, seq, 3·kv_heads, 64], k, v [1, seq, kv_heads, 64] of one trained layer (GQA 3, as
+  trained), and a random cotangent; the first `seq` tokens of one source file."""
+  from safetensors.numpy import load_file
+  tensors = load_file(str(REAL_SAMPLE))
+  cut = lambda name, heads: jnp.asarray(tensors[f"layer_{layer}.{name}"][:, :seq, :heads], jnp.bfloat16)
+  q, k, v = cut("q", 3 * kv_heads), cut("k", kv_heads), cut("v", kv_heads)
+  do = jax.random.normal(jax.random.PRNGKey(layer), q.shape, jnp.bfloat16)
+  return q, k, v, do
+
 
 # name, batch, seq, q heads, kv heads, head dim, dtype, causal, packed
 CASES = [
@@ -407,3 +425,23 @@ class AttentionTests:
     _, radius = self.run(q, k, v, seg, causal=causal, return_stats=True)
     assert float(blocks.certified_fraction) >= 0.95, float(blocks.certified_fraction)
     assert float(radius.certified_fraction) <= 0.5, float(radius.certified_fraction)
+
+  @pytest.mark.parametrize("layer", REAL_LAYERS)
+  def test_real_activations_of_a_trained_model(self, layer):
+    """Post-RoPE q, k, v of the small preset trained on Python sources (H200, BENCHMARKS.md "real
+    activations"): exact against float64, no less accurate than online, and certified with either
+    bound (as this layer certified on the GPU at 8k)."""
+    q, k, v, do = real_activations(layer)
+    want = ref.attention(q, k, v, do, None, causal=True)
+    errors = {}
+    for stabilizer, bound in (("clis", "radius"), ("clis", "blocks"), ("online", "radius")):
+      got = self.value_and_grads(q, k, v, do, None, causal=True, stabilizer=stabilizer, bound=bound)
+      assert all(bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in got)
+      errors[stabilizer, bound] = [ref.rel_err(g, w) for g, w in zip(got, want)]
+      assert errors[stabilizer, bound][0] < TOLERANCE[jnp.bfloat16][0], errors
+      assert max(errors[stabilizer, bound][1:]) < TOLERANCE[jnp.bfloat16][1], errors
+    for bound in ("radius", "blocks"):
+      for i, what in enumerate(("out", "dq", "dk", "dv")):
+        assert errors["clis", bound][i] <= CLIS_VS_ONLINE * errors["online", "radius"][i], (bound, what, errors)
+      _, stats = self.run(q, k, v, None, causal=True, bound=bound, return_stats=True)
+      assert float(stats.certified_fraction) >= 0.95, (bound, float(stats.certified_fraction))

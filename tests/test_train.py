@@ -95,6 +95,14 @@ def test_bad_data_inputs_name_the_file_and_line(tmp_path):
   empty.write_text("")
   with pytest.raises(data.DataError, match="empty.txt: empty"):
     data.read_cpt_documents(str(empty), fmt="auto", text_field="text", skip_bad_lines=False)
+  package = tmp_path / "package"  # a source tree: empty __init__.py files are skipped with a warning
+  (package / "sub").mkdir(parents=True)
+  (package / "__init__.py").write_text("")
+  (package / "sub" / "__init__.py").write_text("  \n")
+  (package / "sub" / "code.py").write_text("x = 1\n")
+  with pytest.warns(UserWarning, match="skipped 2 empty files"):
+    docs = data.read_cpt_documents(str(package), fmt="auto", text_field="text", skip_bad_lines=False)
+  assert docs == ["x = 1\n"]
   bad = tmp_path / "bad.jsonl"
   bad.write_text('{"text": "fine"}\n{"text": broken\n{"text": "also fine"}\n')
   with pytest.raises(data.DataError, match=r"bad.jsonl:2: malformed JSONL line"):
