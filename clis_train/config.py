@@ -20,7 +20,18 @@ import yaml
 
 from clis_train.errors import ConfigError
 
-ATTENTIONS = ("clis", "online", "clis_mgpu", "online_mgpu", "cudnn", "dot_product")
+# The `attention:` vocabulary, defined once (the config check, the CLI help, the trainer and the
+# MaxText adapter read it): value -> what runs.
+ATTENTIONS = {
+    "clis": "CLiS kernels, the platform's best backend (Mosaic GPU on Hopper, Triton on other NVIDIA GPUs, "
+            "Mosaic TPU, the XLA reference on CPU)",
+    "online": "the same kernels with flash attention's online softmax (the baseline CLiS replaces)",
+    "clis_mgpu": "CLiS, the Mosaic GPU kernels by name (Hopper only)",
+    "online_mgpu": "online softmax, the Mosaic GPU kernels by name (Hopper only)",
+    "cudnn": "jax.nn.dot_product_attention(implementation='cudnn') (NVIDIA only)",
+    "dot_product": "dense XLA attention (any platform; memory grows with seq_len^2)",
+}
+CERTIFYING = ("clis", "clis_mgpu")  # the values that log a certified fraction
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +90,7 @@ class TrainConfig:
   on_nonfinite: str = "stop"  # stop | skip: a step whose loss or grad norm is NaN/inf stops the run, or its
   max_skipped_steps: int = 3  #   update is skipped (optax.apply_if_finite), stopping after this many in a row
   save_on_interrupt: bool = False  # Ctrl-C / SIGTERM saves the current step before exiting (130)
+  tensorboard: bool = True  # event files in run_dir/tensorboard (tensorboardX)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +114,7 @@ class MeshConfig:
 class Config:
   run_dir: str = "runs/default"
   seed: int = 0
-  attention: str = "clis"  # clis | online | cudnn | dot_product
+  attention: str = "clis"  # one of ATTENTIONS
   attention_granularity: str = "tile"
   model: ModelConfig = ModelConfig()
   data: DataConfig = DataConfig()
@@ -126,6 +138,17 @@ def _all_keys() -> list[str]:
     else:
       keys.append(name)
   return keys
+
+
+def default_keys() -> list[tuple[str, Any]]:
+  """Every key with its default, in the order of the dataclasses (for the CLI's help)."""
+  out = []
+  for field in dataclasses.fields(Config):
+    if dataclasses.is_dataclass(field.default):
+      out += [(f"{field.name}.{sub.name}", getattr(field.default, sub.name)) for sub in dataclasses.fields(field.default)]
+    else:
+      out.append((field.name, field.default))
+  return out
 
 
 # Names users bring from MaxText, Hugging Face or PyTorch trainers.
@@ -231,7 +254,7 @@ def _validate(cfg: Config) -> None:
     if not ok:
       raise ConfigError(message)
 
-  need(cfg.attention in ATTENTIONS, f"attention={cfg.attention!r} must be one of {ATTENTIONS}")
+  need(cfg.attention in ATTENTIONS, f"attention={cfg.attention!r} must be one of {', '.join(ATTENTIONS)}")
   need(cfg.attention_granularity in ("tile", "head"), "attention_granularity must be 'tile' or 'head'")
   need(cfg.model.dtype in ("bfloat16", "float32"), f"model.dtype={cfg.model.dtype!r} must be bfloat16 or float32")
   need(cfg.model.remat in ("none", "full", "dots"), f"model.remat={cfg.model.remat!r} must be none, full or dots")

@@ -79,10 +79,25 @@ def _dense(features, name, dtype):
                   kernel_init=nn.initializers.normal(0.02))
 
 
+def cached_attention(q, k_cache, v_cache, positions):
+  """Decoding: queries [B, s, Hq, D] at `positions` [B, s] attend to every cached key at or before
+  their own position (k_cache, v_cache [B, L, Hkv, D]). Dense XLA in float32: a few query rows have
+  nothing to tile, so the CLiS kernels are not used here."""
+  b, s, hq, d = q.shape
+  hkv = k_cache.shape[2]
+  qg = q.astype(jnp.float32).reshape(b, s, hkv, hq // hkv, d)
+  logits = jnp.einsum("bshgd,bkhd->bhgsk", qg, k_cache.astype(jnp.float32)) * d ** -0.5
+  visible = jnp.arange(k_cache.shape[1])[None, None, :] <= positions[:, :, None]  # [B, s, L]
+  weights = jax.nn.softmax(jnp.where(visible[:, None, None], logits, -jnp.inf), axis=-1)
+  out = jnp.einsum("bhgsk,bkhd->bshgd", weights, v_cache.astype(jnp.float32))
+  return out.reshape(b, s, hq, d).astype(q.dtype)
+
+
 class Attention(nn.Module):
   dims: ModelDims
   attend: Callable  # (q, k, v, segment_ids) -> (out, certified_fraction)
   dtype: jnp.dtype
+  decode: bool = False  # keep K/V in the "cache" collection, sized by the input at init ([B, max_len])
 
   @nn.compact
   def __call__(self, x, positions, segment_ids):
@@ -92,9 +107,24 @@ class Attention(nn.Module):
     v = _dense(d.n_kv_heads * d.head_dim, "wv", self.dtype)(x).reshape(b, s, d.n_kv_heads, d.head_dim)
     q, k = rope(q, positions, d.rope_theta), rope(k, positions, d.rope_theta)
     self.sow("activations", "qkv", (q, k, v))  # kept only when applied with mutable=["activations"]
-    out, certified = self.attend(q, k, v, segment_ids)
+    if self.decode:
+      out, certified = self._decode(q, k, v, positions), jnp.zeros((), jnp.float32)
+    else:
+      out, certified = self.attend(q, k, v, segment_ids)
     self.sow("intermediates", "certified_fraction", certified)
     return _dense(d.dim, "wo", self.dtype)(out.reshape(b, s, d.n_heads * d.head_dim))
+
+  def _decode(self, q, k, v, positions):
+    """Writes k, v into the cache at positions[:, 0] onwards, then attends over the cache."""
+    ready = self.has_variable("cache", "k")
+    k_cache = self.variable("cache", "k", jnp.zeros, k.shape, k.dtype)
+    v_cache = self.variable("cache", "v", jnp.zeros, v.shape, v.dtype)
+    if not ready:  # init: only the cache's shape is being made
+      return jnp.zeros_like(q)
+    start = positions[0, 0]
+    k_cache.value = jax.lax.dynamic_update_slice(k_cache.value, k.astype(k_cache.value.dtype), (0, start, 0, 0))
+    v_cache.value = jax.lax.dynamic_update_slice(v_cache.value, v.astype(v_cache.value.dtype), (0, start, 0, 0))
+    return cached_attention(q, k_cache.value, v_cache.value, positions)
 
 
 class MLP(nn.Module):
@@ -112,11 +142,12 @@ class Block(nn.Module):
   dims: ModelDims
   attend: Callable
   dtype: jnp.dtype
+  decode: bool = False
 
   @nn.compact
   def __call__(self, x, positions, segment_ids):
     h = RMSNorm(self.dims.norm_eps, self.dtype, name="attention_norm")(x)
-    x = x + Attention(self.dims, self.attend, self.dtype, name="attention")(h, positions, segment_ids)
+    x = x + Attention(self.dims, self.attend, self.dtype, self.decode, name="attention")(h, positions, segment_ids)
     h = RMSNorm(self.dims.norm_eps, self.dtype, name="mlp_norm")(x)
     return x + MLP(self.dims, self.dtype, name="mlp")(h)
 
@@ -126,6 +157,7 @@ class Transformer(nn.Module):
   attend: Callable
   dtype: jnp.dtype = jnp.bfloat16
   remat: str = "none"  # none | full | dots (save matmul outputs, recompute the rest)
+  decode: bool = False  # generation: attention keeps a K/V cache (clis_train/generate.py)
 
   @nn.compact
   def __call__(self, tokens, positions, segment_ids):
@@ -138,7 +170,7 @@ class Transformer(nn.Module):
       block = nn.remat(Block, policy=policy)
     x = embed(tokens)
     for i in range(self.dims.n_layers):
-      x = block(self.dims, self.attend, self.dtype, name=f"layer_{i}")(x, positions, segment_ids)
+      x = block(self.dims, self.attend, self.dtype, self.decode, name=f"layer_{i}")(x, positions, segment_ids)
     x = RMSNorm(self.dims.norm_eps, self.dtype, name="norm")(x)
     if self.dims.tie_embeddings:
       return embed.attend(x).astype(jnp.float32)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from clis_train import checkpoint, data, model
 from clis_train.attention import make_attention
-from clis_train.config import Config, load_run_config
+from clis_train.config import Config, load_config, load_run_config
 from clis_train.errors import CheckpointError
 
 
@@ -48,19 +48,33 @@ def abstract_params(module, seq_len: int = 8):
   return jax.eval_shape(module.init, jax.random.PRNGKey(0), dummy, dummy, jnp.ones_like(dummy))["params"]
 
 
-def load_run(run_dir: str, *, step: int | None = None, attention: str | None = None, overrides=(),
-             init: bool = False) -> LoadedRun:
-  """Loads run_dir's newest checkpoint (or `step`); init=True gives the run's model at initialisation
-  (its seed), which needs no checkpoint."""
-  cfg = load_run_config(run_dir, overrides)
+def load_run(path: str, *, step: int | None = None, attention: str | None = None, overrides=(),
+             init: bool = False, checkpoint_path: str | None = None) -> LoadedRun:
+  """A run folder (its config.json and newest checkpoint, or `step`), or a recipe YAML whose run_dir
+  (or checkpoint.init_from) holds the weights; `checkpoint_path` (a run folder, an orbax checkpoint
+  folder or Hugging Face safetensors) overrides where they come from. init=True gives the model at
+  initialisation (the config's seed), which needs no checkpoint."""
+  is_recipe = pathlib.Path(path).suffix in (".yaml", ".yml")
+  cfg = load_config(path, overrides) if is_recipe else load_run_config(path, overrides)
   tokenizer, dims, module = build_module(cfg, attention=attention)
   if init:
     dummy = jnp.zeros((1, 8), jnp.int32)
     params = jax.jit(module.init)(jax.random.PRNGKey(cfg.seed), dummy, dummy, jnp.ones_like(dummy))["params"]
     return LoadedRun(cfg, tokenizer, dims, module, params, None)
-  if not (pathlib.Path(run_dir) / "checkpoints").is_dir():
-    raise CheckpointError(f"run_dir={run_dir!r} has no checkpoints/ folder yet: train it first (checkpoint.every "
-                          "sets how often a run saves)")
-  steps = checkpoint.saved_steps(run_dir, "run_dir")
-  params = checkpoint.load_params(run_dir, abstract_params(module), step=step, what="run_dir")
-  return LoadedRun(cfg, tokenizer, dims, module, params, steps[-1] if step is None else step)
+  source = checkpoint_path or _weights_of(cfg, path, is_recipe)
+  what = "--checkpoint" if checkpoint_path else ("run_dir" if not is_recipe else f"{path}: run_dir")
+  hf = pathlib.Path(source).is_dir() and bool(list(pathlib.Path(source).glob("*.safetensors")))
+  params = checkpoint.load_params(source, abstract_params(module), step=step, what=what)
+  if not hf and step is None:
+    step = checkpoint.saved_steps(source, what)[-1]
+  return LoadedRun(cfg, tokenizer, dims, module, params, None if hf else step)
+
+
+def _weights_of(cfg: Config, path: str, is_recipe: bool) -> str:
+  run_dir = pathlib.Path(path if not is_recipe else cfg.run_dir)
+  if (run_dir / "checkpoints").is_dir() and checkpoint.saved_steps(str(run_dir), "run_dir"):
+    return str(run_dir)
+  if is_recipe and cfg.checkpoint.init_from:
+    return cfg.checkpoint.init_from
+  raise CheckpointError(f"run_dir={str(run_dir)!r} holds no checkpoint yet: train it first, or pass --checkpoint "
+                        "(a run folder, an orbax checkpoint or a Hugging Face safetensors folder)")

@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from clis_train import checkpoint, data, model
 from clis_train.attention import BATCH_AXES, make_attention
-from clis_train.config import Config, ConfigError, to_dict
+from clis_train.config import CERTIFYING, Config, ConfigError, to_dict
 from clis_train.errors import Interrupted, TrainingError
 from clis_train.runlock import RunLock
 
@@ -210,11 +210,16 @@ class Trainer:
       self.state = state
       return []
     restart = _write_config(run_dir, cfg, start)
+    progress = _progress(cfg, start)
+    say = progress.write if cfg.train.progress_bar else lambda line: print(line, flush=True)
+    say(f"resumed from step {start} ({run_dir / 'checkpoints' / str(start)})" if start else
+        f"initialised from {cfg.checkpoint.init_from}" if cfg.checkpoint.init_from else
+        f"initialised at random (seed {cfg.seed}); {self.dims.num_params() / 1e6:.1f}M parameters")
+    board = _tensorboard(cfg, run_dir)
     records = []
     flops = model.flops_per_token(self.dims, cfg.data.seq_len)
     peak = peak_flops_per_device(cfg)
     tokens_per_step = self.global_batch * cfg.data.seq_len
-    progress = _progress(cfg, start)
     t_last, steps_since, bad_in_a_row, done = time.perf_counter(), 0, 0, start
     saved = mngr.latest_step()
     try:
@@ -247,16 +252,19 @@ class Trainer:
             t_last, steps_since = now, 0
             record = {"step": done, **metrics, "step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time,
                       "mfu": None if peak is None else flops * tokens_per_step / step_time / (peak * self.mesh.size)}
-            if cfg.attention != "clis":
+            if cfg.attention not in CERTIFYING:
               record["certified_fraction"] = None
             records.append(record)
             log.write(_json_line(record))
             log.flush()
-            progress.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+            say(_console_line(record, cfg.train.steps))
+            board.write(record)
           if done % cfg.train.eval_every == 0 and examples.eval:
             eval_record = {"step": done, "eval_loss": self.evaluate(state["params"], examples.eval)}
             records.append(eval_record)
             log.write(_json_line(eval_record))
+            say(f"step {done} | eval_loss {eval_record['eval_loss']:.4f}")
+            board.write(eval_record)
           if done % cfg.checkpoint.every == 0 or done == cfg.train.steps:
             saved = self._save(mngr, done, state, batches, saved)
           progress.update(1)
@@ -268,6 +276,7 @@ class Trainer:
       raise Interrupted(f"interrupted at step {done}; {_kept(saved)}; run the same command to resume") from None
     finally:
       progress.close()
+      board.close()
       mngr.wait_until_finished()
       mngr.close()
     self.state = state
@@ -326,6 +335,46 @@ def _write_config(run_dir: pathlib.Path, cfg: Config, start: int) -> dict | None
   run_dir.mkdir(parents=True, exist_ok=True)
   path.write_text(json.dumps(new, indent=1))
   return restart
+
+
+def _console_line(record: dict, steps: int) -> str:
+  """One line per train.log_every: step, loss, lr, grad norm, tokens/s, MFU (peak known), certified."""
+  parts = [f"step {record['step']}/{steps}", f"loss {record['loss']:.4f}", f"lr {record['lr']:.2e}",
+           f"grad_norm {record['grad_norm']:.3f}", f"tokens/s {record['tokens_per_s']:.0f}"]
+  if record.get("mfu") is not None:
+    parts.append(f"mfu {record['mfu']:.3f}")
+  if record.get("certified_fraction") is not None:
+    parts.append(f"certified {record['certified_fraction']:.3f}")
+  return " | ".join(parts)
+
+
+class _Board:
+  """TensorBoard event files in run_dir/tensorboard through tensorboardX (a maintained, framework-free
+  writer of the standard event format: no TensorFlow or PyTorch needed); off on other processes and
+  with train.tensorboard=false."""
+
+  def __init__(self, logdir: pathlib.Path | None):
+    self.writer = None
+    if logdir is not None:
+      from tensorboardX import SummaryWriter
+      self.writer = SummaryWriter(logdir=str(logdir))
+
+  def write(self, record: dict) -> None:
+    if self.writer is None:
+      return
+    group = "eval" if "eval_loss" in record else "train"
+    for key, value in record.items():
+      if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        self.writer.add_scalar(f"{group}/{key.removeprefix('eval_')}", value, record["step"])
+    self.writer.flush()
+
+  def close(self) -> None:
+    if self.writer is not None:
+      self.writer.close()
+
+
+def _tensorboard(cfg: Config, run_dir: pathlib.Path) -> _Board:
+  return _Board(run_dir / "tensorboard" if cfg.train.tensorboard and jax.process_index() == 0 else None)
 
 
 def _progress(cfg, start):

@@ -2,9 +2,12 @@
 
 Runs under a Python with torch + transformers (scripts/setup.sh makes .venv-hf with
 Python 3.11 and the CPU torch wheel); tests/test_hf.py compares our Flax model's logits,
-after importing the safetensors, against the ones written here.
+after importing the safetensors, against the ones written here. With --load it instead loads
+a folder `clis-train export` wrote (LlamaForCausalLM.from_pretrained) and writes its logits
+on the tokens in --tokens.
 
   .venv-hf/bin/python scripts/hf_reference.py --out /tmp/hf_tiny
+  .venv-hf/bin/python scripts/hf_reference.py --load EXPORTED --tokens tokens.npy --out logits.npy
 """
 
 import argparse
@@ -24,7 +27,15 @@ def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--out", required=True)
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--load", default=None, help="an exported folder to load instead of a random model")
+  parser.add_argument("--tokens", default=None, help="with --load: int tokens [B, S] (.npy)")
   args = parser.parse_args()
+  if args.load:
+    model = LlamaForCausalLM.from_pretrained(args.load, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+      logits = model(torch.from_numpy(np.load(args.tokens).astype(np.int64))).logits.numpy()
+    np.save(args.out, logits)
+    return
   out = pathlib.Path(args.out)
   torch.manual_seed(args.seed)
   model = LlamaForCausalLM(LlamaConfig(**TINY)).float().eval()

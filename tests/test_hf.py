@@ -20,7 +20,9 @@ HF_PYTHON = os.environ.get("CLIS_HF_PYTHON", str(ROOT / ".venv-hf" / "bin" / "py
 @pytest.fixture(scope="module")
 def hf_tiny(tmp_path_factory):
   if not pathlib.Path(HF_PYTHON).exists():
-    pytest.fail(f"{HF_PYTHON} is missing: scripts/setup.sh makes it (Python 3.11 + torch + transformers)")
+    if os.environ.get("CLIS_REQUIRE_HF") == "1":  # scripts/test.sh's full run (CI) sets it
+      pytest.fail(f"{HF_PYTHON} is missing: scripts/setup.sh makes it (Python 3.11 + torch + transformers)")
+    pytest.skip(f"{HF_PYTHON} is missing (scripts/setup.sh makes it); CI requires it")
   out = tmp_path_factory.mktemp("hf_tiny")
   subprocess.run([HF_PYTHON, str(ROOT / "scripts" / "hf_reference.py"), "--out", str(out)], check=True)
   return out
