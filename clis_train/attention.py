@@ -30,15 +30,16 @@ def _cudnn(q, k, v, segment_ids):
   return jnp.where((segment_ids != 0)[:, :, None, None], out, 0).astype(q.dtype)
 
 
-def make_attention(name: str, mesh: jax.sharding.Mesh | None, *, granularity: str = "tile"):
-  """Returns attend(q, k, v, segment_ids) -> (out [B,S,Hq,D], certified_fraction scalar)."""
+def make_attention(name: str, mesh: jax.sharding.Mesh | None, *, granularity: str = "tile", platform=None):
+  """Returns attend(q, k, v, segment_ids) -> (out [B,S,Hq,D], certified_fraction scalar). platform: a
+  clis_kernels.plan.Platform to plan the kernels for (default: this machine's)."""
   if name in ("clis", "online", "clis_mgpu", "online_mgpu"):
     stabilizer, _, backend = name.partition("_")
     implementation = "pallas_mgpu" if backend else None  # *_mgpu: the Mosaic GPU kernels (Hopper)
 
     def attend(q, k, v, seg):
       out, stats = clis_attention(q, k, v, seg, causal=True, stabilizer=stabilizer, granularity=granularity,
-                                  implementation=implementation, return_stats=True)
+                                  implementation=implementation, return_stats=True, platform=platform)
       return out, stats.certified_fraction
   elif name == "dot_product":
     def attend(q, k, v, seg):

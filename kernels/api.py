@@ -12,60 +12,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from clis_kernels import masks, reference
+from clis_kernels import masks
+from clis_kernels import plan as plan_lib
 from clis_kernels import stabilizer as certificate
 
 
-class Backend(NamedTuple):
-  forward: Callable
-  backward: Callable
-  block_sizes_type: type
-  default_block_sizes: Callable[[int, int, Any], Any]
-  platforms: tuple[str, ...]  # platforms that run it compiled (others need interpret=True)
-  certifies_in_kernel: bool  # takes KeyBounds and certifies each tile itself (no pre-pass over q)
-  padded_head_dim: Callable[[int], int] = lambda d: d  # head dim it runs at (the API zero-pads up to it)
-  window_and_soft_cap: bool = True  # takes local windows and logits soft-capping
-
-
-def _pallas_gpu() -> Backend:
-  from clis_kernels import pallas_gpu, pallas_gpu_vjp
-  return Backend(pallas_gpu.forward, pallas_gpu_vjp.backward, pallas_gpu.BlockSizes,
-                 pallas_gpu.default_block_sizes, ("gpu",), True, pallas_gpu.padded_head_dim)
-
-
-def _pallas_mgpu() -> Backend:
-  from clis_kernels import pallas_mgpu
-  return Backend(pallas_mgpu.forward, pallas_mgpu.backward, pallas_mgpu.BlockSizes,
-                 pallas_mgpu.default_block_sizes, ("gpu",), True, pallas_mgpu.padded_head_dim, False)
-
-
-def _pallas_tpu() -> Backend:
-  from clis_kernels import pallas_tpu, pallas_tpu_vjp
-  return Backend(pallas_tpu.forward, pallas_tpu_vjp.backward, pallas_tpu.BlockSizes,
-                 pallas_tpu.default_block_sizes, ("tpu",), False)
-
-
-def _reference() -> Backend:
-  return Backend(reference.forward, reference.backward, reference.BlockSizes,
-                 reference.default_block_sizes, ("cpu", "gpu", "tpu"), False)
-
-
-BACKENDS: dict[str, Callable[[], Backend]] = {
-    "pallas_tpu": _pallas_tpu,
-    "pallas_gpu": _pallas_gpu,
-    "pallas_mgpu": _pallas_mgpu,
-    "reference": _reference,
-}
-IMPLEMENTATIONS = (*BACKENDS, "xla")
+IMPLEMENTATIONS = plan_lib.IMPLEMENTATIONS
 STABILIZERS = ("clis", "online")
 GRANULARITIES = ("tile", "head")
 BOUNDS = ("radius", "blocks")
-_AUTO = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cpu": "reference"}
 
 
 @jax.tree_util.register_dataclass
@@ -87,47 +46,18 @@ class AttentionStats:
 class _Static:
   """Everything the custom_vjp closes over (hashable)."""
 
-  backend: str
+  plan: plan_lib.Plan
   causal: bool
   scale: float
   kv_len: int | None
   seq_len: int
-  block_sizes: Any
-  interpret: bool
   window: tuple[int, int] | None = None
   softcap: float | None = None
 
 
-def _platform() -> str:
-  return jax.devices()[0].platform
-
-
-def _gpu_is_hopper() -> bool:
-  return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9")
-
-
-def _resolve_implementation(implementation, interpret, q, window_or_cap: bool = False) -> str:
-  if implementation is None:
-    auto = _AUTO.get(_platform(), "reference")
-    if auto == "pallas_gpu" and _gpu_is_hopper() and not window_or_cap:
-      from clis_kernels import pallas_mgpu
-      if pallas_mgpu.supports(q.dtype, q.shape[-1]):
-        return "pallas_mgpu"  # the Mosaic GPU kernels: the fastest forward and backward on an H200
-    return auto
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"{implementation=} is not one of {IMPLEMENTATIONS} (or None for automatic)")
-  if implementation in BACKENDS and not interpret:
-    platforms = BACKENDS[implementation]().platforms
-    if _platform() not in platforms:
-      raise ValueError(
-          f"{implementation=} needs a {'/'.join(platforms).upper()} device but this platform is "
-          f"{_platform()!r}: pass interpret=True to run it in Pallas interpret mode, or "
-          "implementation='reference'")
-  return implementation
-
-
-def _validate(q, k, v, segment_ids, causal, stabilizer_name, granularity, tau, local_window_size=None,
-              logits_soft_cap=None, bound="radius"):
+def check_inputs(q, k, v, segment_ids, causal, stabilizer_name, granularity, tau, local_window_size=None,
+                 logits_soft_cap=None, bound="radius"):
+  """One clear ValueError for inputs no backend takes (shapes, dtypes, ids, options)."""
   for name, x in (("q", q), ("k", k), ("v", v)):
     if x.ndim != 4:
       raise ValueError(f"{name} must be [batch, seq, heads, head_dim]; got {name}.shape={x.shape}")
@@ -176,7 +106,7 @@ def _validate(q, k, v, segment_ids, causal, stabilizer_name, granularity, tau, l
                        f"{q.shape[1]=}, {k.shape[1]=}")
 
 
-def _pad_axis(x, axis, multiple=None, *, to=None, value=0):
+def pad_axis(x, axis, multiple=None, *, to=None, value=0):
   """x zero-padded along `axis` to a multiple of `multiple` (or to length `to`)."""
   pad = (to - x.shape[axis]) if to is not None else -x.shape[axis] % multiple
   if not pad:
@@ -186,8 +116,9 @@ def _pad_axis(x, axis, multiple=None, *, to=None, value=0):
   return jnp.pad(x, widths, constant_values=value)
 
 
-def _pad_seq(x, multiple, value=0):
-  return _pad_axis(x, 1, multiple, value=value)
+def pad_seq(x, multiple, value=0):
+  """x [B, S, ...] zero-padded along the sequence to a multiple of `multiple`."""
+  return pad_axis(x, 1, multiple, value=value)
 
 
 def _empty_attention(q, return_stats):
@@ -206,12 +137,12 @@ def _attend(static: _Static, q, k, v, segment_ids, stab):
 
 
 def _forward(static, q, k, v, segment_ids, stab):
-  backend = BACKENDS[static.backend]()
-  kw = dict(causal=static.causal, scale=static.scale, kv_len=static.kv_len, block_sizes=static.block_sizes,
-            window=static.window, softcap=static.softcap, interpret=static.interpret)
-  if isinstance(stab, certificate.KeyBounds):
-    return backend.forward(q, k, v, segment_ids, None, keys=stab, seq_len=static.seq_len, **kw)
-  return backend.forward(q, k, v, segment_ids, stab, **kw)
+  plan = static.plan
+  kw = dict(causal=static.causal, scale=static.scale, kv_len=static.kv_len, block_sizes=plan.block_sizes,
+            window=static.window, softcap=static.softcap, interpret=plan.interpret)
+  if plan.mode is plan_lib.Mode.KEYS:
+    return plan.backend.forward(q, k, v, segment_ids, None, keys=stab, seq_len=static.seq_len, **kw)
+  return plan.backend.forward(q, k, v, segment_ids, stab, **kw)  # a Certificate, or None (online)
 
 
 def _attend_fwd(static, q, k, v, segment_ids, stab):
@@ -222,10 +153,10 @@ def _attend_fwd(static, q, k, v, segment_ids, stab):
 def _attend_bwd(static, residuals, cotangents):
   q, k, v, segment_ids, stab, o, lse = residuals
   do, _ = cotangents  # the certified-tile flags carry no gradient
-  backend = BACKENDS[static.backend]()
-  dq, dk, dv = backend.backward(q, k, v, segment_ids, o, lse, do, causal=static.causal, scale=static.scale,
-                                kv_len=static.kv_len, block_sizes=static.block_sizes, window=static.window,
-                                softcap=static.softcap, interpret=static.interpret)
+  plan = static.plan
+  dq, dk, dv = plan.backend.backward(q, k, v, segment_ids, o, lse, do, causal=static.causal, scale=static.scale,
+                                     kv_len=static.kv_len, block_sizes=plan.backward_block_sizes,
+                                     window=static.window, softcap=static.softcap, interpret=plan.interpret)
   zero_stab = jax.tree.map(lambda x: jnp.zeros_like(x) if jnp.issubdtype(x.dtype, jnp.floating) else None, stab)
   return dq, dk, dv, None, zero_stab
 
@@ -257,9 +188,28 @@ def _xla_attention(q, k, v, segment_ids: masks.SegmentIds | None, *, causal, sca
   return out
 
 
+def _stabilizer_input(plan: plan_lib.Plan, qp, kp, vp, segp, *, causal, scale, tau, granularity, seq_len, kv_seq_len,
+                      window, separate_ids, softcap):
+  """What the plan's mode hands the kernel: KeyBounds (the kernel certifies), a Certificate (an XLA
+  pre-pass certified), or None (online)."""
+  if plan.mode is plan_lib.Mode.ONLINE:
+    return None
+  if plan.mode is plan_lib.Mode.BLOCKS:
+    return certificate.certify_blocks(qp, kp, vp, segp, causal=causal, scale=scale, tau=tau, granularity=granularity,
+                                      block_q=plan.tile, seq_len=seq_len, kv_seq_len=kv_seq_len, window=window,
+                                      separate_ids=separate_ids, softcap=softcap)
+  keys = certificate.key_bounds(kp, vp, segp, causal=causal, tau=tau, block_q=plan.tile, seq_len=kv_seq_len,
+                                separate_ids=separate_ids, window=window)
+  if plan.mode is plan_lib.Mode.KEYS:
+    return keys
+  return certificate.certify_rows(qp, kp, segp, keys, causal=causal, scale=scale, granularity=granularity,
+                                  block_q=plan.tile, seq_len=seq_len, separate_ids=separate_ids, window=window,
+                                  softcap=softcap)
+
+
 def attention(q, k, v, segment_ids=None, *, causal=True, scale=None, local_window_size=None, logits_soft_cap=None,
               stabilizer="clis", granularity="tile", tau=64.0, bound="radius", implementation=None, block_sizes=None,
-              interpret=False, return_stats=False):
+              backward_block_sizes=None, interpret=False, return_stats=False, platform=None):
   """CLiS attention. q [B, S, Hq, D]; k, v [B, S, Hkv, D] with Hq a multiple of Hkv.
 
   segment_ids: [B, S] int for packed sequences; a query sees keys of its own id only, and
@@ -282,64 +232,50 @@ def attention(q, k, v, segment_ids=None, *, causal=True, scale=None, local_windo
     "pallas_mgpu", the fastest forward and backward on an H200; other NVIDIA GPUs or inputs →
     "pallas_gpu"; CPU → "reference"), or one of "pallas_tpu", "pallas_gpu", "pallas_mgpu",
     "reference", "xla".
-  block_sizes: the backend's BlockSizes dataclass (default: its heuristics).
+  block_sizes: the forward's BlockSizes dataclass; backward_block_sizes: the backward's (default:
+    their heuristics). "pallas_mgpu_triton_bwd" is the Mosaic GPU forward with the Triton backward.
   interpret: run a Pallas backend in Pallas interpret mode (on the CPU).
+  platform: a plan.Platform to plan for (default: the first device's); tracing and lowering for
+    another platform (an H200 on a CPU) need it.
   Returns the output shaped like q, and with return_stats=True also an AttentionStats.
   """
-  _validate(q, k, v, segment_ids, causal, stabilizer, granularity, tau, local_window_size, logits_soft_cap, bound)
+  check_inputs(q, k, v, segment_ids, causal, stabilizer, granularity, tau, local_window_size, logits_soft_cap, bound)
   separate_ids = isinstance(segment_ids, masks.SegmentIds)
   segment_ids = masks.segment_ids_of(segment_ids)
   window = masks.as_window(local_window_size, causal=causal)
   softcap = None if logits_soft_cap is None else float(logits_soft_cap)
-  impl = _resolve_implementation(implementation, interpret, q, window is not None or softcap is not None)
   scale = float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-  if 0 in q.shape or 0 in k.shape:
-    return _empty_attention(q, return_stats)
-  if impl == "xla":
-    if block_sizes is not None:
+  if implementation == "xla":
+    if block_sizes is not None or backward_block_sizes is not None:
       raise ValueError("block_sizes has no meaning for implementation='xla'; leave it None")
+    if 0 in q.shape or 0 in k.shape:
+      return _empty_attention(q, return_stats)
     out = _xla_attention(q, k, v, segment_ids, causal=causal, scale=scale, window=window, softcap=softcap)
     if not return_stats:
       return out
     none = jnp.zeros((q.shape[0], q.shape[2], 1), bool)
     return out, AttentionStats(none, jnp.zeros(()), jnp.zeros(q.shape[2]))
-
-  backend = BACKENDS[impl]()
-  if (window is not None or softcap is not None) and not backend.window_and_soft_cap:
-    raise ValueError(f"implementation={impl!r} has no local window or logits soft cap; use 'pallas_gpu' "
-                     "(or implementation=None, which picks it)")
   seq_len, kv_seq_len = q.shape[1], k.shape[1]
-  if block_sizes is None:
-    block_sizes = backend.default_block_sizes(q.shape[-1], max(seq_len, kv_seq_len), q.dtype)
-  elif not isinstance(block_sizes, backend.block_sizes_type):
-    raise ValueError(f"block_sizes for implementation={impl!r} must be "
-                     f"{backend.block_sizes_type.__module__}.BlockSizes; got {type(block_sizes).__name__}")
-  multiple, head_dim = block_sizes.multiple, backend.padded_head_dim(q.shape[-1])
-  qp, kp, vp = (_pad_seq(_pad_axis(x, 3, to=head_dim), multiple) for x in (q, k, v))
-  segp = None if segment_ids is None else jax.tree.map(lambda x: _pad_seq(x.astype(jnp.int32), multiple), segment_ids)
+  plan = plan_lib.make_plan(dtype=q.dtype, head_dim=q.shape[-1], seq_len=max(seq_len, kv_seq_len),
+                            stabilizer=stabilizer, bound=bound, granularity=granularity, separate_ids=separate_ids,
+                            window_or_cap=window is not None or softcap is not None, implementation=implementation,
+                            block_sizes=block_sizes, backward_block_sizes=backward_block_sizes, interpret=interpret,
+                            platform=platform)
+  if 0 in q.shape or 0 in k.shape:
+    return _empty_attention(q, return_stats)
+  qp, kp, vp = (pad_seq(pad_axis(x, 3, to=plan.head_dim), plan.multiple) for x in (q, k, v))
+  segp = None if segment_ids is None else jax.tree.map(lambda x: pad_seq(x.astype(jnp.int32), plan.multiple),
+                                                       segment_ids)
   needs_kv_mask = kp.shape[1] != kv_seq_len and not causal and segment_ids is None
-  static = _Static(impl, bool(causal), scale, kv_seq_len if needs_kv_mask else None, seq_len, block_sizes,
-                   bool(interpret), window, softcap)
-
-  stab = None
-  if stabilizer == "clis" and bound == "blocks":
-    stab = certificate.certify_blocks(qp, kp, vp, segp, causal=causal, scale=scale, tau=float(tau),
-                                      granularity=granularity, block_q=block_sizes.tile, seq_len=seq_len,
-                                      kv_seq_len=kv_seq_len, window=window, separate_ids=separate_ids, softcap=softcap)
-  elif stabilizer == "clis":
-    stab = certificate.key_bounds(kp, vp, segp, causal=causal, tau=float(tau), block_q=block_sizes.tile,
-                                  seq_len=kv_seq_len, separate_ids=separate_ids, window=window)
-    # Kernels certify in their prologue with the row's own key as lower bound; separate ids need the
-    # XLA certificate's segment-mean lower bound instead.
-    if granularity == "head" or not backend.certifies_in_kernel or separate_ids:
-      stab = certificate.certify_rows(qp, kp, segp, stab, causal=causal, scale=scale, granularity=granularity,
-                                      block_q=block_sizes.tile, seq_len=seq_len, separate_ids=separate_ids,
-                                      window=window, softcap=softcap)
+  static = _Static(plan, bool(causal), scale, kv_seq_len if needs_kv_mask else None, seq_len, window, softcap)
+  stab = _stabilizer_input(plan, qp, kp, vp, segp, causal=causal, scale=scale, tau=float(tau), granularity=granularity,
+                           seq_len=seq_len, kv_seq_len=kv_seq_len, window=window, separate_ids=separate_ids,
+                           softcap=softcap)
   out, tiles = _attend(static, qp, kp, vp, segp, stab)
   out = out[:, :seq_len, :, :q.shape[-1]]
   if not return_stats:
     return out
   if tiles is None:
-    tiles = jnp.zeros((q.shape[0], q.shape[2], qp.shape[1] // block_sizes.tile), bool)
+    tiles = jnp.zeros((q.shape[0], q.shape[2], qp.shape[1] // plan.tile), bool)
   frac = tiles.astype(jnp.float32)
   return out, AttentionStats(tiles, frac.mean(), frac.mean(axis=(0, 2)))

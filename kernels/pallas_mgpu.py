@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +34,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from clis_kernels import pallas_gpu, pallas_gpu_vjp, pallas_mgpu_vjp
 from clis_kernels.mgpu_pipeline import COMPUTE_WARPGROUPS, cta_first_row, kv_blocks, stream_kv, swizzled
 from clis_kernels.common import out_struct
 from clis_kernels.stabilizer import EMPTY_LSE, LOG2E, Certificate, KeyBounds, row_bounds, stabilize
@@ -46,20 +46,20 @@ ONLINE_FLOOR = -1e20  # the online loop's starting max (base 2): below any real 
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """Tiles of the Mosaic GPU forward and of its backward (Mosaic GPU by default, or pallas_gpu's Triton one).
+  """Tiles of the Mosaic GPU forward.
 
   block_q: rows per compute warpgroup (a CTA holds 2·block_q rows); also the certificate tile.
   block_kv: keys per pipeline step; slots: K/V blocks in flight (shared-memory buffers).
-  backward: pallas_gpu.BlockSizes (the Triton backward) or pallas_mgpu_vjp.BlockSizes (Mosaic GPU).
   pingpong: the two compute warpgroups take turns on the tensor cores (FA3's schedule); False lets
   both issue wgmma as soon as their operands are ready.
   overlap: the certified loop issues block i+1's Q·Kᵀ before block i's softmax (needs pingpong=False).
+  The backward is the registry's choice (plan.py): "pallas_mgpu" takes pallas_mgpu_vjp's,
+  "pallas_mgpu_triton_bwd" pallas_gpu_vjp's, each with its own BlockSizes.
   """
 
   block_q: int = 64
   block_kv: int = 128
   slots: int = 2
-  backward: pallas_gpu.BlockSizes | pallas_mgpu_vjp.BlockSizes = pallas_mgpu_vjp.BlockSizes()
   pingpong: bool = True
   overlap: bool = False
 
@@ -72,9 +72,6 @@ class BlockSizes:
       raise ValueError(f"{self.block_kv=} must be 64 or 128 (larger K/V blocks overflow shared memory at D=128)")
     if self.slots < 2:
       raise ValueError(f"{self.slots=} must be at least 2 (one block computing while the next loads)")
-    if not isinstance(self.backward, (pallas_gpu.BlockSizes, pallas_mgpu_vjp.BlockSizes)):
-      raise ValueError("backward must be a pallas_gpu.BlockSizes (Triton) or a pallas_mgpu_vjp.BlockSizes "
-                       f"(Mosaic GPU); got {type(self.backward).__name__}")
 
   @property
   def tile(self) -> int:
@@ -82,7 +79,7 @@ class BlockSizes:
 
   @property
   def multiple(self) -> int:
-    return max(COMPUTE_WARPGROUPS * self.block_q, self.block_kv, self.backward.multiple)
+    return max(COMPUTE_WARPGROUPS * self.block_q, self.block_kv)
 
 
 def default_block_sizes(head_dim: int, seq_len: int, dtype) -> BlockSizes:
@@ -120,309 +117,440 @@ def _check(q, k, cert, scale, interpret):
     raise ValueError(f"the certificate's tile must be block_q=64 rows; got {cert.certified.shape=} for {q.shape=}")
 
 
-def _kernel(q_ref, k_ref, v_ref, *refs, mode: str, causal: bool, sigma2: float, block_q: int, block_kv: int,
-            slots: int, kv_len: int | None, group: int, has_segments: bool, row_centres: bool, pingpong: bool,
-            overlap: bool):
-  m_ref = centre_ref = bounds_ref = flags_ref = qseg_ref = kseg_ref = None
-  if has_segments:
+@dataclasses.dataclass(frozen=True)
+class _Config:
+  """The kernel's static parameters (what `forward` decides before the launch)."""
+
+  mode: str  # "keys" (certify in the prologue) | "cert" (read the XLA certificate) | "online"
+  causal: bool
+  sigma2: float  # scale · log2 e
+  block_q: int
+  block_kv: int
+  slots: int
+  kv_len: int | None
+  group: int  # query heads per kv head
+  has_segments: bool
+  row_centres: bool  # bidirectional packed rows: each row's own segment centre
+  pingpong: bool
+  overlap: bool
+
+
+class _Refs(NamedTuple):
+  """Global-memory operands; None where the mode or layout has none."""
+
+  q: Any
+  k: Any
+  v: Any
+  qseg: Any
+  kseg: Any
+  m: Any  # "cert": M per row (FAILED_TILE_M where the tile failed)
+  centre: Any  # "keys": the K/V pre-pass's centre(s)
+  bounds: Any  # "keys": radius, headroom, threshold, slack per row
+  o: Any
+  lse: Any
+  flags: Any  # "keys": the certified flag per row, out
+
+
+class _Scratch(NamedTuple):
+  """Shared memory and barriers of every mode."""
+
+  qo: Any  # [2, block_q, D]: q in, then o out
+  k: Any  # [slots, block_kv, D]
+  v: Any
+  rows: Any  # [2, block_q] f32: M in, lse out
+  k_ready: Any
+  v_ready: Any
+  q_ready: Any
+  m_ready: Any
+  k_free: Any  # each compute warpgroup arrives when it has read a slot's K
+  v_free: Any
+  schedule: Any  # the compute warpgroups' turns on the tensor cores
+
+
+class _KeysScratch(NamedTuple):
+  """Mode "keys": what the prologue certificate reads."""
+
+  centre: Any
+  kdiag: Any  # each row's own key (causal: L = t_ii)
+  flag: Any
+  bounds: Any
+  kdiag_ready: Any
+  bounds_ready: Any
+  centre_ready: Any
+
+
+class _SegScratch(NamedTuple):
+  """Packed segments: the rows' ids and one block of key ids per slot."""
+
+  qseg: Any
+  kseg: Any
+  qseg_ready: Any
+  kseg_ready: Any
+
+
+class _Rows(NamedTuple):
+  """What one compute warpgroup works on."""
+
+  wg: Any
+  batch: Any
+  head: Any
+  kv_head: Any
+  row0: Any  # first query row
+  full: Any  # KV blocks wholly visible (no mask)
+  total: Any  # KV blocks this warpgroup visits
+  cta_blocks: Any  # KV blocks the CTA streams (the other warpgroup may need more)
+  q_smem: Any
+  rows: Any
+  q_ids: Any  # segment ids of the rows, or None
+  dtype: Any  # q's (the weights are rounded to it for P·V)
+  take_turn: Callable  # _take_turn and _turn bound once per CTA: pl.when traces each function once
+  turn: Callable
+
+
+def _scratch(c: _Config, dtype, head_dim: int):
+  """The run_scoped allocations, grouped as _Scratch, _KeysScratch (or None), _SegScratch (or None)."""
+  wgs, bq, bkv = COMPUTE_WARPGROUPS, c.block_q, c.block_kv
+  common = _Scratch(
+      plgpu.SMEM((wgs, bq, head_dim), dtype, transforms=swizzled()),
+      plgpu.SMEM((c.slots, bkv, head_dim), dtype, transforms=swizzled()),
+      plgpu.SMEM((c.slots, bkv, head_dim), dtype, transforms=swizzled()),
+      plgpu.SMEM((wgs, bq), jnp.float32),
+      plgpu.Barrier(num_barriers=c.slots), plgpu.Barrier(num_barriers=c.slots),
+      plgpu.Barrier(num_barriers=wgs), plgpu.Barrier(num_barriers=wgs),
+      plgpu.Barrier(num_arrivals=wgs, num_barriers=c.slots), plgpu.Barrier(num_arrivals=wgs, num_barriers=c.slots),
+      plgpu.Barrier(num_arrivals=wgs))
+  keys = None
+  if c.mode == "keys":
+    keys = _KeysScratch(
+        plgpu.SMEM((bq, head_dim), dtype, transforms=swizzled()) if c.row_centres
+        else plgpu.SMEM((wgs, head_dim), jnp.float32),
+        plgpu.SMEM((wgs, bq, head_dim), dtype, transforms=swizzled()),
+        plgpu.SMEM((wgs, bq), jnp.float32),
+        plgpu.SMEM((wgs, 4, bq), jnp.float32),
+        plgpu.Barrier(num_barriers=wgs), plgpu.Barrier(num_barriers=wgs), plgpu.Barrier(num_barriers=wgs))
+  segs = None
+  if c.has_segments:
+    segs = _SegScratch(plgpu.SMEM((wgs, bq), jnp.int32), plgpu.SMEM((c.slots, bkv), jnp.int32),
+                       plgpu.Barrier(num_barriers=wgs), plgpu.Barrier(num_barriers=c.slots))
+  return common, keys, segs
+
+
+def _kernel(q_ref, k_ref, v_ref, *refs, config: _Config):
+  c = config
+  qseg_ref = kseg_ref = m_ref = centre_ref = bounds_ref = flags_ref = None
+  if c.has_segments:
     (qseg_ref, kseg_ref), refs = refs[:2], refs[2:]
-  if mode == "cert":
+  if c.mode == "cert":
     m_ref, o_ref, lse_ref = refs
-  elif mode == "keys":
+  elif c.mode == "keys":
     centre_ref, bounds_ref, o_ref, lse_ref, flags_ref = refs
   else:
     o_ref, lse_ref = refs
+  g = _Refs(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, m_ref, centre_ref, bounds_ref, o_ref, lse_ref, flags_ref)
   dtype, head_dim = q_ref.dtype, q_ref.shape[-1]
   batch, head = lax.axis_index("batch"), lax.axis_index("heads")
-  cta_row0 = cta_first_row(q_ref.shape[1], block_q, causal=causal)
-  kv_range = functools.partial(kv_blocks, causal=causal, block_kv=block_kv, num_kv_blocks=k_ref.shape[1] // block_kv,
-                               kv_len=kv_len)
-  _, cta_blocks = kv_range(cta_row0, COMPUTE_WARPGROUPS * block_q)  # what the memory warpgroup loads
+  cta_row0 = cta_first_row(q_ref.shape[1], c.block_q, causal=c.causal)
+  _, cta_blocks = _kv_range(c, g, cta_row0, COMPUTE_WARPGROUPS * c.block_q)  # what the memory warpgroup loads
 
-  def body(qo_smem, k_smem, v_smem, row_smem, k_ready, v_ready, q_ready, m_ready, k_free, v_free, schedule,
-           *extra_scratch):
+  def body(s: _Scratch, ks: _KeysScratch | None, ss: _SegScratch | None):
     wg = lax.axis_index("wg")
-    keys_scratch = extra_scratch[:7] if mode == "keys" else ()
-    qseg_smem, kseg_smem, qseg_ready, kseg_ready = extra_scratch[-4:] if has_segments else (None,) * 4
-    kv_head = lax.div(head, jnp.int32(group))
-
-    def take_turn():  # hand the tensor cores to the other compute warpgroup and wait for them back
-      plgpu.barrier_arrive(schedule)
-      plgpu.barrier_wait(schedule)
-
-    def turn():  # take_turn inside the KV loop, when the warpgroups ping-pong
-      if pingpong:
-        take_turn()
+    kv_head = lax.div(head, jnp.int32(c.group))
+    turns = functools.partial(_take_turn, s), functools.partial(_turn, c, s)
 
     @pl.when(wg < COMPUTE_WARPGROUPS)
     def _compute():
       plgpu.set_max_registers(232, action="increase")
-      q_smem, rows = qo_smem.at[wg], row_smem.at[wg]
-      row0 = cta_row0 + wg * block_q
-      full, total = kv_range(row0, block_q)
-      plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(row0, block_q), head], q_smem, q_ready.at[wg])
-      if mode == "cert":
-        plgpu.copy_gmem_to_smem(m_ref.at[batch, head, pl.ds(row0, block_q)], rows, m_ready.at[wg])
-      if mode == "keys":
-        centre_smem, kdiag_smem, flag_smem, bounds_smem, kdiag_ready, bounds_ready, centre_ready = keys_scratch
-        if not row_centres:  # one centre per (batch, kv head); rows with their own load them in bound_rows
-          plgpu.copy_gmem_to_smem(centre_ref.at[batch, 0, kv_head], centre_smem.at[wg], centre_ready.at[wg])
-        plgpu.copy_gmem_to_smem(bounds_ref.at[batch, kv_head, :, pl.ds(row0, block_q)], bounds_smem.at[wg],
-                                bounds_ready.at[wg])
-        if causal:  # each row's own key: the lower bound L = t_ii
-          plgpu.copy_gmem_to_smem(k_ref.at[batch, pl.ds(row0, block_q), kv_head], kdiag_smem.at[wg],
-                                  kdiag_ready.at[wg])
-      if has_segments:
-        plgpu.copy_gmem_to_smem(qseg_ref.at[batch, pl.ds(row0, block_q)], qseg_smem.at[wg], qseg_ready.at[wg])
-      plgpu.barrier_wait(q_ready.at[wg])
-      q_ids = None
-      if has_segments:
-        plgpu.barrier_wait(qseg_ready.at[wg])
-        q_ids = plgpu.load(qseg_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
-
-      def bound_rows():
-        """(M, passes) per row of this warpgroup from the K/V pre-pass (stabilizer.row_bounds and
-        stabilize, as the Triton kernel's prologue). Radius, headroom, threshold and the centre's
-        rounding slack arrive per row through TMA, as M does in "cert" mode. Packed rows each have
-        their segment's centre when bidirectional (row_centres), rounded to q's dtype: one [block_q, D]
-        buffer serves both warpgroups, so those warpgroups run this one after the other."""
-        plgpu.barrier_wait(bounds_ready.at[wg])
-        q = plgpu.load(q_smem, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-        if row_centres:
-          plgpu.copy_gmem_to_smem(centre_ref.at[batch, pl.ds(row0, block_q), kv_head], centre_smem,
-                                  centre_ready.at[wg])
-          plgpu.barrier_wait(centre_ready.at[wg])
-          centre = plgpu.load(centre_smem, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-        else:
-          plgpu.barrier_wait(centre_ready.at[wg])
-          centre = lax.broadcast_in_dim(plgpu.load(centre_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(0)),
-                                        q.shape, [1])
-        radius, headroom, threshold, slack = (
-            plgpu.load(bounds_smem.at[wg, j], layout=plgpu.Layout.WGMMA.reduce(1)) for j in range(4))
-        k_diag = None
-        if causal:
-          plgpu.barrier_wait(kdiag_ready.at[wg])
-          k_diag = plgpu.load(kdiag_smem.at[wg], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-        upper, lower = row_bounds(q, centre, radius, k_diag, sigma2=sigma2)  # radius includes the slack
-        if k_diag is None:  # L = σ₂·q·c with the rounded centre c' can exceed σ₂·q·c by σ₂·‖q‖·‖c − c'‖
-          lower = lower - sigma2 * jnp.sqrt(jnp.sum(q * q, axis=1)) * slack
-        m, row_ok = stabilize(upper, lower, headroom, threshold)  # rows the API padded are zero: they pass
-        row_ok = row_ok.astype(jnp.int32)
-        if has_segments:  # packed padding rows (id 0) see no key: they pass, as in stabilize()
-          row_ok = jnp.maximum(row_ok, (q_ids == 0).astype(jnp.int32))
-        return m, row_ok
-
-      def decide(row_ok):
-        """The tile passes when every row does (a warpgroup-wide min); the flag goes out per row."""
-        certified = jnp.min(row_ok)
-        flag_smem.at[wg][...] = plgpu.layout_cast(jnp.full((block_q,), certified.astype(jnp.float32)),
-                                                  plgpu.Layout.WGMMA.reduce(1))
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(flag_smem.at[wg], flags_ref.at[batch, head, pl.ds(row0, block_q)])
-        return certified > 0
-
-      def certify_here():
-        """(M, certified): the rows' bounds in both warpgroups at once, then the two decisions in
-        turn (only the min shares scratch); rows' own centres share one buffer, so in turn too."""
-        if row_centres:
-          return one_warpgroup_at_a_time(lambda: (lambda m, row_ok: (m, decide(row_ok)))(*bound_rows()))
-        m, row_ok = bound_rows()
-        return m, one_warpgroup_at_a_time(lambda: decide(row_ok))
-
-      def attend(fixed: bool, m_fixed=None):
-        if fixed:  # M is loop-invariant: the loop closes over it and carries (acc, l)
-          m0 = m_fixed
-        else:
-          # A finite floor, not −inf: a block whose keys are all masked then leaves m at the floor
-          # and adds weight 2^(−inf − floor) = 0; no step forms −inf − (−inf).
-          m0 = plgpu.layout_cast(jnp.full((block_q,), ONLINE_FLOOR, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        l0 = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        carry = (plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), plgpu.Layout.WGMMA),
-                 *(() if fixed else (m0,)), l0)
-        plgpu.barrier_wait(k_ready.at[0])
-        pl.when(wg == 1)(turn)  # warpgroup 1 starts half a step behind warpgroup 0
-
-        def visible(qk, i, slot, masked: bool):
-          """Block i's logits with −inf where a key is hidden; releases the block's K (read now)."""
-          if has_segments:  # every step: a query sees keys of its own segment (padding keys are −1)
-            plgpu.barrier_wait(kseg_ready.at[slot])
-            k_ids = plgpu.load(kseg_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-            same = lax.broadcast_in_dim(q_ids, qk.shape, [0]) == lax.broadcast_in_dim(k_ids, qk.shape, [1])
-            # −inf is safe: the online loop's max starts at ONLINE_FLOOR, so a block wholly of other
-            # segments adds 2^(−inf − floor) = 0; rows that never see a key are padding (zeroed below).
-            qk = jnp.where(same, qk, -jnp.inf)
-          plgpu.barrier_arrive(k_free.at[slot])  # k and its segment ids are read
-          if masked:
-            q_pos = row0 + plgpu.broadcasted_iota(jnp.int32, qk.shape, 0, layout=plgpu.Layout.WGMMA)
-            k_pos = i * block_kv + plgpu.broadcasted_iota(jnp.int32, qk.shape, 1, layout=plgpu.Layout.WGMMA)
-            qk = jnp.where(q_pos >= k_pos if causal else k_pos < kv_len, qk, -jnp.inf)
-          return qk
-
-        def step(i, carry, masked: bool):
-          acc, m, l = (carry[0], m0, carry[1]) if fixed else carry
-          slot = lax.rem(i, jnp.int32(slots))
-
-          def qk_scope(acc_ref):
-            plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
-            turn()
-            return acc_ref[...]
-
-          qk = visible(pl.run_scoped(qk_scope, plgpu.ACC((block_q, block_kv), jnp.float32)), i, slot, masked)
-          if fixed:  # the certified step: one FMA and one exp2 per weight, no max, no rescale
-            p = jnp.exp2(qk * sigma2 - lax.broadcast_in_dim(m, qk.shape, [0]))
-            l = l + p.sum(axis=1)  # the unrounded weights: see the module docstring
-            p_low = p.astype(dtype)
-          else:
-            m_new = jnp.maximum(m, qk.max(axis=1) * sigma2)
-            alpha = jnp.exp2(m - m_new)
-            p = jnp.exp2(qk * sigma2 - lax.broadcast_in_dim(m_new, qk.shape, [0]))
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            l = l * alpha + p.sum(axis=1)
-            m, p_low = m_new, p.astype(dtype)
-          if fixed:
-            acc, l, p_low = lax.optimization_barrier((acc, l, p_low))
-          else:
-            acc, m, l, p_low = lax.optimization_barrier((acc, m, l, p_low))
-          if pingpong:
-            plgpu.barrier_arrive(schedule)  # softmax done
-          plgpu.barrier_wait(v_ready.at[slot])
-          if pingpong:
-            plgpu.barrier_wait(schedule)  # tensor cores free again
-
-          def pv(acc_ref):
-            plgpu.wgmma(acc_ref, p_low, v_smem.at[slot])
-
-            @pl.when(i + 1 < total)
-            def _():
-              plgpu.barrier_wait(k_ready.at[lax.rem(i + 1, jnp.int32(slots))])
-
-          acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-          plgpu.barrier_arrive(v_free.at[slot])
-          return (acc, l) if fixed else (acc, m, l)
-
-        def overlapped_step(i, carry, masked: bool):
-          """The certified step with block i+1's Q·Kᵀ issued before block i's exp2 (p_i depends on
-          nothing of step i−1, so the tensor cores work while this warpgroup exponentiates)."""
-          acc, l, qk = carry  # qk: block i's logits, already computed
-          slot, nxt = lax.rem(i, jnp.int32(slots)), lax.rem(i + 1, jnp.int32(slots))
-          qk = visible(qk, i, slot, masked)
-
-          def scope(next_ref):
-            @pl.when(i + 1 < total)
-            def _():
-              plgpu.barrier_wait(k_ready.at[nxt])
-              plgpu.wgmma(next_ref, q_smem, k_smem.at[nxt].T)
-
-            p = jnp.exp2(qk * sigma2 - lax.broadcast_in_dim(m0, qk.shape, [0]))
-            new_l, p_low = l + p.sum(axis=1), p.astype(dtype)
-            plgpu.barrier_wait(v_ready.at[slot])
-            new_acc = pl.run_state(lambda r: plgpu.wgmma(r, p_low, v_smem.at[slot]))(plgpu.ACC.init(acc))
-            return new_acc, new_l, next_ref[...]
-
-          carry = pl.run_scoped(scope, plgpu.ACC((block_q, block_kv), jnp.float32))
-          plgpu.barrier_arrive(v_free.at[slot])
-          return carry
-
-        masked_steps = causal or kv_len is not None
-        if fixed and overlap:
-          def first_qk(acc_ref):
-            plgpu.wgmma(acc_ref, q_smem, k_smem.at[0].T)
-            return acc_ref[...]
-
-          carry = (*carry, pl.run_scoped(first_qk, plgpu.ACC((block_q, block_kv), jnp.float32)))
-          carry = lax.fori_loop(0, full, functools.partial(overlapped_step, masked=False), carry)
-          if masked_steps:
-            carry = lax.fori_loop(full, total, functools.partial(overlapped_step, masked=True), carry)
-          carry = carry[:2]
-        else:
-          carry = lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
-          if masked_steps:
-            carry = lax.fori_loop(full, total, functools.partial(step, masked=True), carry)
-        if causal:  # blocks the other warpgroup still needs: release them in step with its loop
-          def drain(i, _):
-            slot = lax.rem(i, jnp.int32(slots))
-            if not pingpong:  # without the schedule's lockstep, wait for each block before releasing it
-              for barrier in (k_ready, v_ready) + ((kseg_ready,) if has_segments else ()):
-                plgpu.barrier_wait(barrier.at[slot])
-            plgpu.barrier_arrive(k_free.at[slot])
-            plgpu.barrier_arrive(v_free.at[slot])
-            turn()
-            turn()
-
-          lax.fori_loop(total, cta_blocks, drain, None)
-        pl.when(wg == 0)(turn)
-        acc, m, l = (carry[0], m0, carry[1]) if fixed else carry
-        o = acc * lax.broadcast_in_dim(1.0 / l, acc.shape, [0])
-        lse = m + jnp.log2(l)
-        if has_segments:  # padding rows (id 0) see no key: o = 0 and EMPTY_LSE, as every backend
-          empty = q_ids == 0
-          o = jnp.where(lax.broadcast_in_dim(empty, acc.shape, [0]), 0.0, o)
-          lse = jnp.where(empty, EMPTY_LSE, lse)
-        q_smem[...] = o.astype(dtype)
-        rows[...] = lse
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_smem, o_ref.at[batch, pl.ds(row0, block_q), head])
-        plgpu.copy_smem_to_gmem(rows, lse_ref.at[batch, head, pl.ds(row0, block_q)])
-        plgpu.wait_smem_to_gmem(0)
-
-      def one_warpgroup_at_a_time(decide):
-        """Runs decide() in warpgroup 0, then in warpgroup 1 (one schedule-barrier phase each).
-        Its warpgroup-wide min goes through shared scratch that the two compute warpgroups share:
-        run together, each could read the other's result (H200: both tiles of a CTA took the
-        same decision)."""
-        pl.when(wg == 1)(take_turn)
-        result = decide()
-        pl.when(wg == 0)(take_turn)
-        return result
-
-      def read_certificate():  # M per row, FAILED_TILE_M where the XLA certificate failed the tile
-        plgpu.barrier_wait(m_ready.at[wg])
-        m_rows = plgpu.load(rows, layout=plgpu.Layout.WGMMA.reduce(1))
-        return m_rows, jnp.min((m_rows < FAILED_TILE_M / 2).astype(jnp.int32)) > 0
-
-      if mode in ("cert", "keys"):
-        m_fixed, certified = one_warpgroup_at_a_time(read_certificate) if mode == "cert" else certify_here()
-        pl.when(certified)(lambda: attend(True, m_fixed))
-        pl.when(jnp.logical_not(certified))(lambda: attend(False))
-      else:
-        attend(False)
+      _compute_warpgroup(c, g, s, ks, ss, wg=wg, batch=batch, head=head, kv_head=kv_head, cta_row0=cta_row0,
+                         cta_blocks=cta_blocks, turns=turns)
 
     @pl.when(wg == COMPUTE_WARPGROUPS)
     def _memory():
       plgpu.set_max_registers(40, action="decrease")
+      stream_kv(k_ref, v_ref, kseg_ref, s.k, s.v, None if ss is None else ss.kseg, s.k_ready, s.v_ready,
+                None if ss is None else ss.kseg_ready, batch=batch, kv_head=kv_head, block_kv=c.block_kv,
+                num_blocks=cta_blocks, slots=c.slots, free=(s.k_free, s.v_free))
 
-      stream_kv(k_ref, v_ref, kseg_ref, k_smem, v_smem, kseg_smem, k_ready, v_ready, kseg_ready, batch=batch,
-                kv_head=kv_head, block_kv=block_kv, num_blocks=cta_blocks, slots=slots, free=(k_free, v_free))
+  pl.run_scoped(body, *_scratch(c, dtype, head_dim), collective_axes="wg")
 
-  pl.run_scoped(
-      body,
-      plgpu.SMEM((COMPUTE_WARPGROUPS, block_q, head_dim), dtype, transforms=swizzled()),  # q, then o
-      plgpu.SMEM((slots, block_kv, head_dim), dtype, transforms=swizzled()),  # k blocks
-      plgpu.SMEM((slots, block_kv, head_dim), dtype, transforms=swizzled()),  # v blocks
-      plgpu.SMEM((COMPUTE_WARPGROUPS, block_q), jnp.float32),  # M in, lse out
-      plgpu.Barrier(num_barriers=slots),  # k_ready
-      plgpu.Barrier(num_barriers=slots),  # v_ready
-      plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS),  # q_ready
-      plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS),  # m_ready
-      plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=slots),  # k_free
-      plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=slots),  # v_free
-      plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS),  # schedule
-      *(() if mode != "keys" else (
-          plgpu.SMEM((block_q, head_dim), dtype, transforms=swizzled()) if row_centres  # rows' own centres
-          else plgpu.SMEM((COMPUTE_WARPGROUPS, head_dim), jnp.float32),  # the centre
-          plgpu.SMEM((COMPUTE_WARPGROUPS, block_q, head_dim), dtype, transforms=swizzled()),  # diagonal keys
-          plgpu.SMEM((COMPUTE_WARPGROUPS, block_q), jnp.float32),  # certified flag out
-          plgpu.SMEM((COMPUTE_WARPGROUPS, 4, block_q), jnp.float32),  # radius, headroom, threshold, slack
-          plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS),  # kdiag_ready
-          plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS),  # bounds_ready
-          plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS))),  # centre_ready
-      *(() if not has_segments else (
-          plgpu.SMEM((COMPUTE_WARPGROUPS, block_q), jnp.int32),  # query segment ids
-          plgpu.SMEM((slots, block_kv), jnp.int32),  # key segment ids, one block per slot
-          plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS),  # qseg_ready
-          plgpu.Barrier(num_barriers=slots))),  # kseg_ready
-      collective_axes="wg",
-  )
+
+def _kv_range(c: _Config, g: _Refs, row0, rows):
+  return kv_blocks(row0, rows, causal=c.causal, block_kv=c.block_kv, num_kv_blocks=g.k.shape[1] // c.block_kv,
+                   kv_len=c.kv_len)
+
+
+def _take_turn(s: _Scratch):
+  """Hands the tensor cores to the other compute warpgroup and waits for them back."""
+  plgpu.barrier_arrive(s.schedule)
+  plgpu.barrier_wait(s.schedule)
+
+
+def _turn(c: _Config, s: _Scratch):
+  """_take_turn inside the KV loop, when the warpgroups ping-pong."""
+  if c.pingpong:
+    _take_turn(s)
+
+
+def _one_warpgroup_at_a_time(s: _Scratch, r: _Rows, decide):
+  """Runs decide() in warpgroup 0, then in warpgroup 1 (one schedule-barrier phase each).
+  Its warpgroup-wide min goes through shared scratch that the two compute warpgroups share:
+  run together, each could read the other's result (H200: both tiles of a CTA took the
+  same decision)."""
+  pl.when(r.wg == 1)(r.take_turn)
+  result = decide()
+  pl.when(r.wg == 0)(r.take_turn)
+  return result
+
+
+def _compute_warpgroup(c: _Config, g: _Refs, s: _Scratch, ks, ss, *, wg, batch, head, kv_head, cta_row0,
+                       cta_blocks, turns):
+  """Prologue (loads, then the certificate or the XLA one's M), the KV loop it allows, the epilogue."""
+  q_smem, rows = s.qo.at[wg], s.rows.at[wg]
+  row0 = cta_row0 + wg * c.block_q
+  full, total = _kv_range(c, g, row0, c.block_q)
+  plgpu.copy_gmem_to_smem(g.q.at[batch, pl.ds(row0, c.block_q), head], q_smem, s.q_ready.at[wg])
+  if c.mode == "cert":
+    plgpu.copy_gmem_to_smem(g.m.at[batch, head, pl.ds(row0, c.block_q)], rows, s.m_ready.at[wg])
+  if c.mode == "keys":
+    if not c.row_centres:  # one centre per (batch, kv head); rows with their own load them in _bound_rows
+      plgpu.copy_gmem_to_smem(g.centre.at[batch, 0, kv_head], ks.centre.at[wg], ks.centre_ready.at[wg])
+    plgpu.copy_gmem_to_smem(g.bounds.at[batch, kv_head, :, pl.ds(row0, c.block_q)], ks.bounds.at[wg],
+                            ks.bounds_ready.at[wg])
+    if c.causal:  # each row's own key: the lower bound L = t_ii
+      plgpu.copy_gmem_to_smem(g.k.at[batch, pl.ds(row0, c.block_q), kv_head], ks.kdiag.at[wg], ks.kdiag_ready.at[wg])
+  if c.has_segments:
+    plgpu.copy_gmem_to_smem(g.qseg.at[batch, pl.ds(row0, c.block_q)], ss.qseg.at[wg], ss.qseg_ready.at[wg])
+  plgpu.barrier_wait(s.q_ready.at[wg])
+  q_ids = None
+  if c.has_segments:
+    plgpu.barrier_wait(ss.qseg_ready.at[wg])
+    q_ids = plgpu.load(ss.qseg.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+  r = _Rows(wg, batch, head, kv_head, row0, full, total, cta_blocks, q_smem, rows, q_ids, g.q.dtype, *turns)
+
+  if c.mode in ("cert", "keys"):
+    if c.mode == "cert":
+      m_fixed, certified = _one_warpgroup_at_a_time(s, r, lambda: _read_certificate(s, r))
+    else:
+      m_fixed, certified = _certify_here(c, g, s, ks, r)
+    pl.when(certified)(lambda: _attend(c, g, s, ss, r, True, m_fixed))
+    pl.when(jnp.logical_not(certified))(lambda: _attend(c, g, s, ss, r, False))
+  else:
+    _attend(c, g, s, ss, r, False)
+
+
+def _read_certificate(s: _Scratch, r: _Rows):
+  """M per row, and whether the XLA certificate passed the tile (no row at FAILED_TILE_M)."""
+  plgpu.barrier_wait(s.m_ready.at[r.wg])
+  m_rows = plgpu.load(r.rows, layout=plgpu.Layout.WGMMA.reduce(1))
+  return m_rows, jnp.min((m_rows < FAILED_TILE_M / 2).astype(jnp.int32)) > 0
+
+
+def _certify_here(c: _Config, g: _Refs, s: _Scratch, ks: _KeysScratch, r: _Rows):
+  """(M, certified): the rows' bounds in both warpgroups at once, then the two decisions in turn
+  (only the min shares scratch); rows' own centres share one buffer, so in turn too."""
+  if c.row_centres:
+    def bound_and_decide():
+      m, row_ok = _bound_rows(c, g, ks, r)
+      return m, _decide(c, g, ks, r, row_ok)
+    return _one_warpgroup_at_a_time(s, r, bound_and_decide)
+  m, row_ok = _bound_rows(c, g, ks, r)
+  return m, _one_warpgroup_at_a_time(s, r, lambda: _decide(c, g, ks, r, row_ok))
+
+
+def _bound_rows(c: _Config, g: _Refs, ks: _KeysScratch, r: _Rows):
+  """(M, passes) per row of this warpgroup from the K/V pre-pass (stabilizer.row_bounds and
+  stabilize, as the Triton kernel's prologue). Radius, headroom, threshold and the centre's
+  rounding slack arrive per row through TMA, as M does in "cert" mode. Packed rows each have
+  their segment's centre when bidirectional (row_centres), rounded to q's dtype: one [block_q, D]
+  buffer serves both warpgroups, so those warpgroups run this one after the other."""
+  wg = r.wg
+  plgpu.barrier_wait(ks.bounds_ready.at[wg])
+  q = plgpu.load(r.q_smem, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+  if c.row_centres:
+    plgpu.copy_gmem_to_smem(g.centre.at[r.batch, pl.ds(r.row0, c.block_q), r.kv_head], ks.centre,
+                            ks.centre_ready.at[wg])
+    plgpu.barrier_wait(ks.centre_ready.at[wg])
+    centre = plgpu.load(ks.centre, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+  else:
+    plgpu.barrier_wait(ks.centre_ready.at[wg])
+    centre = lax.broadcast_in_dim(plgpu.load(ks.centre.at[wg], layout=plgpu.Layout.WGMMA.reduce(0)), q.shape, [1])
+  radius, headroom, threshold, slack = (
+      plgpu.load(ks.bounds.at[wg, j], layout=plgpu.Layout.WGMMA.reduce(1)) for j in range(4))
+  k_diag = None
+  if c.causal:
+    plgpu.barrier_wait(ks.kdiag_ready.at[wg])
+    k_diag = plgpu.load(ks.kdiag.at[wg], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+  upper, lower = row_bounds(q, centre, radius, k_diag, sigma2=c.sigma2)  # radius includes the slack
+  if k_diag is None:  # L = σ₂·q·c with the rounded centre c' can exceed σ₂·q·c by σ₂·‖q‖·‖c − c'‖
+    lower = lower - c.sigma2 * jnp.sqrt(jnp.sum(q * q, axis=1)) * slack
+  m, row_ok = stabilize(upper, lower, headroom, threshold)  # rows the API padded are zero: they pass
+  row_ok = row_ok.astype(jnp.int32)
+  if c.has_segments:  # packed padding rows (id 0) see no key: they pass, as in stabilize()
+    row_ok = jnp.maximum(row_ok, (r.q_ids == 0).astype(jnp.int32))
+  return m, row_ok
+
+
+def _decide(c: _Config, g: _Refs, ks: _KeysScratch, r: _Rows, row_ok):
+  """The tile passes when every row does (a warpgroup-wide min); the flag goes out per row."""
+  certified = jnp.min(row_ok)
+  ks.flag.at[r.wg][...] = plgpu.layout_cast(jnp.full((c.block_q,), certified.astype(jnp.float32)),
+                                            plgpu.Layout.WGMMA.reduce(1))
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(ks.flag.at[r.wg], g.flags.at[r.batch, r.head, pl.ds(r.row0, c.block_q)])
+  return certified > 0
+
+
+def _attend(c: _Config, g: _Refs, s: _Scratch, ss, r: _Rows, fixed: bool, m_fixed=None):
+  """The KV loop (certified with M fixed, or online), the release of blocks the other warpgroup
+  still streams, and the epilogue."""
+  bq, head_dim = c.block_q, g.q.shape[-1]
+  if fixed:  # M is loop-invariant: the loop closes over it and carries (acc, l)
+    m0 = m_fixed
+  else:
+    # A finite floor, not −inf: a block whose keys are all masked then leaves m at the floor
+    # and adds weight 2^(−inf − floor) = 0; no step forms −inf − (−inf).
+    m0 = plgpu.layout_cast(jnp.full((bq,), ONLINE_FLOOR, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+  l0 = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+  carry = (plgpu.layout_cast(jnp.zeros((bq, head_dim), jnp.float32), plgpu.Layout.WGMMA),
+           *(() if fixed else (m0,)), l0)
+  plgpu.barrier_wait(s.k_ready.at[0])
+  pl.when(r.wg == 1)(r.turn)  # warpgroup 1 starts half a step behind warpgroup 0
+  masked_steps = c.causal or c.kv_len is not None
+  if fixed and c.overlap:
+    def first_qk(acc_ref):
+      plgpu.wgmma(acc_ref, r.q_smem, s.k.at[0].T)
+      return acc_ref[...]
+
+    step = functools.partial(_overlapped_step, c, s, ss, r, m0)
+    carry = (*carry, pl.run_scoped(first_qk, plgpu.ACC((bq, c.block_kv), jnp.float32)))
+    carry = lax.fori_loop(0, r.full, functools.partial(step, masked=False), carry)
+    if masked_steps:
+      carry = lax.fori_loop(r.full, r.total, functools.partial(step, masked=True), carry)
+    carry = carry[:2]
+  else:
+    step = functools.partial(_step, c, s, ss, r, fixed, m0)
+    carry = lax.fori_loop(0, r.full, functools.partial(step, masked=False), carry)
+    if masked_steps:
+      carry = lax.fori_loop(r.full, r.total, functools.partial(step, masked=True), carry)
+  if c.causal:  # blocks the other warpgroup still needs: release them in step with its loop
+    lax.fori_loop(r.total, r.cta_blocks, functools.partial(_drain, c, s, ss), None)
+  pl.when(r.wg == 0)(r.turn)
+  acc, m, l = (carry[0], m0, carry[1]) if fixed else carry
+  _epilogue(c, g, s, r, acc, m, l)
+
+
+def _visible(c: _Config, s: _Scratch, ss, r: _Rows, qk, i, slot, masked: bool):
+  """Block i's logits with −inf where a key is hidden; releases the block's K (read now)."""
+  if c.has_segments:  # every step: a query sees keys of its own segment (padding keys are −1)
+    plgpu.barrier_wait(ss.kseg_ready.at[slot])
+    k_ids = plgpu.load(ss.kseg.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+    same = lax.broadcast_in_dim(r.q_ids, qk.shape, [0]) == lax.broadcast_in_dim(k_ids, qk.shape, [1])
+    # −inf is safe: the online loop's max starts at ONLINE_FLOOR, so a block wholly of other
+    # segments adds 2^(−inf − floor) = 0; rows that never see a key are padding (zeroed below).
+    qk = jnp.where(same, qk, -jnp.inf)
+  plgpu.barrier_arrive(s.k_free.at[slot])  # k and its segment ids are read
+  if masked:
+    q_pos = r.row0 + plgpu.broadcasted_iota(jnp.int32, qk.shape, 0, layout=plgpu.Layout.WGMMA)
+    k_pos = i * c.block_kv + plgpu.broadcasted_iota(jnp.int32, qk.shape, 1, layout=plgpu.Layout.WGMMA)
+    qk = jnp.where(q_pos >= k_pos if c.causal else k_pos < c.kv_len, qk, -jnp.inf)
+  return qk
+
+
+def _step(c: _Config, s: _Scratch, ss, r: _Rows, fixed: bool, m0, i, carry, masked: bool):
+  """One KV block: Q·Kᵀ, the weights (certified: one FMA and one exp2 each; online: running max and
+  rescale), P·V; the warpgroups hand the tensor cores over around the softmax when they ping-pong."""
+  acc, m, l = (carry[0], m0, carry[1]) if fixed else carry
+  slot = lax.rem(i, jnp.int32(c.slots))
+
+  def qk_scope(acc_ref):
+    plgpu.wgmma(acc_ref, r.q_smem, s.k.at[slot].T)
+    _turn(c, s)
+    return acc_ref[...]
+
+  qk = _visible(c, s, ss, r, pl.run_scoped(qk_scope, plgpu.ACC((c.block_q, c.block_kv), jnp.float32)), i, slot,
+                masked)
+  if fixed:  # the certified step: no max, no rescale
+    p = jnp.exp2(qk * c.sigma2 - lax.broadcast_in_dim(m, qk.shape, [0]))
+    l = l + p.sum(axis=1)  # the unrounded weights: see the module docstring
+    p_low = p.astype(r.dtype)
+  else:
+    m_new = jnp.maximum(m, qk.max(axis=1) * c.sigma2)
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(qk * c.sigma2 - lax.broadcast_in_dim(m_new, qk.shape, [0]))
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    l = l * alpha + p.sum(axis=1)
+    m, p_low = m_new, p.astype(r.dtype)
+  if fixed:
+    acc, l, p_low = lax.optimization_barrier((acc, l, p_low))
+  else:
+    acc, m, l, p_low = lax.optimization_barrier((acc, m, l, p_low))
+  if c.pingpong:
+    plgpu.barrier_arrive(s.schedule)  # softmax done
+  plgpu.barrier_wait(s.v_ready.at[slot])
+  if c.pingpong:
+    plgpu.barrier_wait(s.schedule)  # tensor cores free again
+
+  def pv(acc_ref):
+    plgpu.wgmma(acc_ref, p_low, s.v.at[slot])
+
+    @pl.when(i + 1 < r.total)
+    def _():
+      plgpu.barrier_wait(s.k_ready.at[lax.rem(i + 1, jnp.int32(c.slots))])
+
+  acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+  plgpu.barrier_arrive(s.v_free.at[slot])
+  return (acc, l) if fixed else (acc, m, l)
+
+
+def _overlapped_step(c: _Config, s: _Scratch, ss, r: _Rows, m0, i, carry, masked: bool):
+  """The certified step with block i+1's Q·Kᵀ issued before block i's exp2 (p_i depends on
+  nothing of step i−1, so the tensor cores work while this warpgroup exponentiates)."""
+  acc, l, qk = carry  # qk: block i's logits, already computed
+  slot, nxt = lax.rem(i, jnp.int32(c.slots)), lax.rem(i + 1, jnp.int32(c.slots))
+  qk = _visible(c, s, ss, r, qk, i, slot, masked)
+
+  def scope(next_ref):
+    @pl.when(i + 1 < r.total)
+    def _():
+      plgpu.barrier_wait(s.k_ready.at[nxt])
+      plgpu.wgmma(next_ref, r.q_smem, s.k.at[nxt].T)
+
+    p = jnp.exp2(qk * c.sigma2 - lax.broadcast_in_dim(m0, qk.shape, [0]))
+    new_l, p_low = l + p.sum(axis=1), p.astype(r.dtype)
+    plgpu.barrier_wait(s.v_ready.at[slot])
+    new_acc = pl.run_state(lambda ref: plgpu.wgmma(ref, p_low, s.v.at[slot]))(plgpu.ACC.init(acc))
+    return new_acc, new_l, next_ref[...]
+
+  carry = pl.run_scoped(scope, plgpu.ACC((c.block_q, c.block_kv), jnp.float32))
+  plgpu.barrier_arrive(s.v_free.at[slot])
+  return carry
+
+
+def _drain(c: _Config, s: _Scratch, ss, i, _):
+  """Releases block i, which this warpgroup does not need but the other one does (causal)."""
+  slot = lax.rem(i, jnp.int32(c.slots))
+  if not c.pingpong:  # without the schedule's lockstep, wait for each block before releasing it
+    for barrier in (s.k_ready, s.v_ready) + ((ss.kseg_ready,) if c.has_segments else ()):
+      plgpu.barrier_wait(barrier.at[slot])
+  plgpu.barrier_arrive(s.k_free.at[slot])
+  plgpu.barrier_arrive(s.v_free.at[slot])
+  _turn(c, s)
+  _turn(c, s)
+
+
+def _epilogue(c: _Config, g: _Refs, s: _Scratch, r: _Rows, acc, m, l):
+  """o = acc / l and lse = M + log2 l (padding rows: 0 and EMPTY_LSE) out through shared memory."""
+  o = acc * lax.broadcast_in_dim(1.0 / l, acc.shape, [0])
+  lse = m + jnp.log2(l)
+  if c.has_segments:  # padding rows (id 0) see no key: o = 0 and EMPTY_LSE, as every backend
+    empty = r.q_ids == 0
+    o = jnp.where(lax.broadcast_in_dim(empty, acc.shape, [0]), 0.0, o)
+    lse = jnp.where(empty, EMPTY_LSE, lse)
+  r.q_smem[...] = o.astype(r.dtype)
+  r.rows[...] = lse
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(r.q_smem, g.o.at[r.batch, pl.ds(r.row0, c.block_q), r.head])
+  plgpu.copy_smem_to_gmem(r.rows, g.lse.at[r.batch, r.head, pl.ds(r.row0, c.block_q)])
+  plgpu.wait_smem_to_gmem(0)
 
 
 def _per_row(x, *, tile: int, seq: int):
@@ -473,12 +601,10 @@ def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv
     raise ValueError(f"{bs.multiple=} must divide the padded lengths {q.shape[1]=} and {k.shape[1]=}")
   mode = "keys" if keys is not None else "cert" if cert is not None else "online"
   row_centres = keys is not None and keys.centre.shape[1] != 1
-  kernel = functools.partial(
-      _kernel, mode=mode, causal=causal, sigma2=scale * LOG2E, block_q=bs.block_q,
-      block_kv=bs.block_kv, slots=min(bs.slots, k.shape[1] // bs.block_kv), kv_len=kv_len,
-      group=num_heads // k.shape[2], has_segments=segment_ids is not None, row_centres=row_centres,
-      pingpong=bs.pingpong,
-      overlap=bs.overlap)
+  kernel = functools.partial(_kernel, config=_Config(
+      mode=mode, causal=causal, sigma2=scale * LOG2E, block_q=bs.block_q, block_kv=bs.block_kv,
+      slots=min(bs.slots, k.shape[1] // bs.block_kv), kv_len=kv_len, group=num_heads // k.shape[2],
+      has_segments=segment_ids is not None, row_centres=row_centres, pingpong=bs.pingpong, overlap=bs.overlap))
   args = [q, k, v]
   if segment_ids is not None:  # key id 0 (padding) becomes −1: it then matches no query, padding included
     args += [segment_ids.q.astype(jnp.int32), jnp.where(segment_ids.kv == 0, -1, segment_ids.kv).astype(jnp.int32)]
@@ -504,14 +630,3 @@ def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv
   if mode == "keys":
     return o, lse, outs[2].reshape(batch, num_heads, seq // bs.tile, bs.tile)[..., 0] > 0.5
   return o, lse, None if cert is None else cert.certified
-
-
-def backward(q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_sizes: BlockSizes, window=None,
-             softcap=None, interpret=False):
-  """The backward block_sizes.backward names (Triton or Mosaic GPU), from this forward's o and base-2 lse."""
-  _no_window_or_cap(window, softcap)
-  if isinstance(block_sizes.backward, pallas_mgpu_vjp.BlockSizes):
-    return pallas_mgpu_vjp.backward(q, k, v, segment_ids, o, lse, do, causal=causal, scale=scale, kv_len=kv_len,
-                                    block_sizes=block_sizes.backward)
-  return pallas_gpu_vjp.backward(q, k, v, segment_ids, o, lse, do, causal=causal, scale=scale, kv_len=kv_len,
-                                 block_sizes=block_sizes.backward, interpret=interpret)

@@ -1,6 +1,6 @@
 """CLiS attention backward as Pallas Mosaic GPU kernels (Hopper: wgmma, TMA, warp specialisation).
 
-The backward has no stabilizer: P = 2^(σ₂·q·kᵀ − lse) from the forward's base-2 lse (DESIGN §1.5),
+The backward has no stabilizer: P = 2^(σ₂·q·kᵀ − lse) from the forward's base-2 lse (kernels/stabilizer.py),
 so one backward serves the certified and the online loop. dS = P ∘ (dO·Vᵀ − Δ) with
 Δ = rowsum(dO ∘ O) (one XLA pass). Two kernels; in each, a CTA runs two compute warpgroups that
 own 64 rows apiece and one memory warpgroup that streams the other side's blocks through `slots`
@@ -317,8 +317,17 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
   )
 
 
-def backward(q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_sizes: BlockSizes):
-  """Returns (dq, dk, dv) shaped like q, k, v; sequence lengths a multiple of block_sizes.multiple."""
+def default_block_sizes(head_dim: int, seq_len: int, dtype) -> BlockSizes:
+  del head_dim, seq_len, dtype
+  return BlockSizes()
+
+
+def backward(q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_sizes: BlockSizes, window=None,
+             softcap=None, interpret=False):
+  """Returns (dq, dk, dv) shaped like q, k, v; sequence lengths a multiple of block_sizes.multiple.
+  No local window, soft cap or interpret mode (plan.py never sends them here)."""
+  if window is not None or softcap is not None or interpret:
+    raise ValueError("pallas_mgpu_vjp.backward has no local window, soft cap or interpret mode")
   batch, seq, num_heads, _ = q.shape
   kv_seq, num_kv_heads = k.shape[1:3]  # kv_seq may differ from seq (cross-attention)
   if seq % block_sizes.multiple or kv_seq % block_sizes.multiple:

@@ -1,4 +1,5 @@
-"""Inputs shaped like a pretrained LLM's attention, for tests and benchmarks (as numpy.testing is for numpy).
+"""Inputs for tests, notes and benchmarks (as numpy.testing is for numpy): the shared table of case
+shapes (CASES), random inputs and packed segment ids, and inputs shaped like a pretrained LLM's attention.
 
 RoPE (θ = 1e4 or 5e5) applied to queries and keys; a few key channels carrying large shared
 offsets before RoPE (the outlier channels of KIVI/KVQuant); attention-sink keys at position 0 and
@@ -11,6 +12,39 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+# The shared case table. name, batch, seq, q heads, kv heads, head dim, dtype, causal, packed
+CASES = [
+    ("causal_mha_d64_f32_odd", 1, 80, 2, 2, 64, jnp.float32, True, False),
+    ("causal_packed_gqa4_d128_bf16", 1, 100, 8, 2, 128, jnp.bfloat16, True, True),
+    ("bidir_gqa8_d64_bf16_odd", 1, 72, 16, 2, 64, jnp.bfloat16, False, False),
+    ("bidir_packed_mqa_d128_f32", 1, 64, 4, 1, 128, jnp.float32, False, True),
+    ("causal_mqa_d128_bf16", 1, 128, 4, 1, 128, jnp.bfloat16, True, False),
+    ("causal_packed_mha_d64_bf16_b2", 2, 50, 2, 2, 64, jnp.bfloat16, True, True),
+]
+
+
+def random_inputs(seed, batch, seq, hq, hkv, d, dtype, *, key_offset=0.5):
+  """q, k, v, dout; keys share a common component, as in trained models."""
+  kq, kk, kv, kd, kc = jax.random.split(jax.random.PRNGKey(seed), 5)
+  q = jax.random.normal(kq, (batch, seq, hq, d))
+  k = jax.random.normal(kk, (batch, seq, hkv, d)) + key_offset * jax.random.normal(kc, (1, 1, hkv, d))
+  v = jax.random.normal(kv, (batch, seq, hkv, d))
+  do = jax.random.normal(kd, (batch, seq, hq, d))
+  return [x.astype(dtype) for x in (q, k, v, do)]
+
+
+def packed_segments(seed, batch, seq):
+  """Three or four documents per row, ids starting at 1, and a padded (id 0) tail."""
+  rng = np.random.default_rng(seed)
+  rows = []
+  for _ in range(batch):
+    cuts = np.sort(rng.choice(np.arange(2, seq - 4), 3, replace=False))
+    ids = np.searchsorted(cuts, np.arange(seq), side="right") + 1
+    ids[-3:] = 0
+    rows.append(ids)
+  return jnp.asarray(np.stack(rows), jnp.int32)
+
 
 FAMILIES = ("sink0", "sinks_many", "outlier_channels", "rope_5e5_wide", "packed_sinks")
 

@@ -1,10 +1,9 @@
 """bf16 error ratios clis/online (out, dq, dk, dv) vs float64 on the reference, 3 seeds per bf16 test case.
 
 Run from the repository root: .venv/bin/python notes/accuracy_ratios.py (output: notes/accuracy_ratios.txt)."""
-import sys; sys.path.insert(0, "tests")
 import jax, jax.numpy as jnp, numpy as np
-import f64_reference as ref
-from attention_base import random_inputs, packed_segments, CASES
+from clis_kernels import reference_f64 as ref
+from clis_kernels.testing import random_inputs, packed_segments, CASES
 from clis_kernels import attention, reference
 bs = reference.BlockSizes(32,16)
 for case in CASES:

@@ -26,8 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from clis_kernels import api, attention, masks, pallas_gpu, pallas_mgpu, pallas_tpu, reference, stabilizer
-from clis_train import benchmarking
+from clis_kernels import api, attention, masks, stabilizer
+from clis_kernels import plan as plan_lib
+from clis_bench import benchmarking
 
 
 def _inputs(b, s, hq, hkv, d, packed, seed=0):
@@ -65,36 +66,39 @@ def _splash(q, k, v, seg, causal):
       qh, kh, vh, ids).transpose(0, 2, 1, 3)
 
 
-def _tile(q, platform, quick):
-  """The certificate's tile: the forward q block of the kernel `attention` picks on this platform."""
-  if quick or platform == "gpu":
-    return pallas_gpu.default_block_sizes(q.shape[-1], q.shape[1], q.dtype).tile
-  if platform == "tpu":
-    return pallas_tpu.default_block_sizes(q.shape[-1], q.shape[1], q.dtype).tile
-  return reference.default_block_sizes(q.shape[-1], q.shape[1], q.dtype).tile
+def _plan(q, quick, implementation=None):
+  """The plan `attention` makes for these inputs (quick: the Triton kernel, interpreted)."""
+  return plan_lib.make_plan(dtype=q.dtype, head_dim=q.shape[-1], seq_len=q.shape[1],
+                            implementation="pallas_gpu" if quick else implementation, interpret=quick)
+
+
+def _prepass(q, k, v, seg, causal, quick, implementation=None):
+  """The pre-pass of the `clis` call: K/V only where the kernel certifies its tiles (Mode.KEYS),
+  else the whole certificate, at the plan's tile and padding."""
+  plan = _plan(q, quick, implementation)
+  pad = lambda x: api.pad_seq(x, plan.multiple)
+  if plan.mode is plan_lib.Mode.KEYS:
+    return stabilizer.key_bounds(pad(k), pad(v), None if seg is None else pad(seg), causal=causal, tau=64.0,
+                                 block_q=plan.tile, seq_len=k.shape[1])
+  return stabilizer.certify(pad(q), pad(k), pad(v), None if seg is None else pad(seg), causal=causal,
+                            scale=q.shape[-1] ** -0.5, tau=64.0, granularity="tile", block_q=plan.tile,
+                            seq_len=q.shape[1])
 
 
 def _clis_kernel(q, k, v, seg, causal, quick):
   """The Triton clis forward alone: inputs padded and K/V pre-pass computed here, outside the timed call."""
-  bs = pallas_gpu.default_block_sizes(q.shape[-1], q.shape[1], q.dtype)
-  pad = lambda x: api._pad_seq(x, bs.multiple)
+  plan = _plan(q, quick, "pallas_gpu")
+  bs = plan.block_sizes
+  pad = lambda x: api.pad_seq(x, plan.multiple)
   qp, kp, vp = pad(q), pad(k), pad(v)
   segp = None if seg is None else masks.SegmentIds(pad(seg), pad(seg))
   kv_len = k.shape[1] if kp.shape[1] != k.shape[1] and not causal and seg is None else None
   keys = jax.jit(lambda k, v, s: stabilizer.key_bounds(k, v, s, causal=causal, tau=64.0, block_q=bs.tile,
                                                        seq_len=k.shape[1]))(kp, vp, segp)
-  run = jax.jit(lambda q, k, v, s, keys: pallas_gpu.forward(
+  run = jax.jit(lambda q, k, v, s, keys: plan.backend.forward(
       q, k, v, s, None, keys=keys, causal=causal, scale=q.shape[-1] ** -0.5, kv_len=kv_len, block_sizes=bs,
       seq_len=q.shape[1], interpret=quick)[0])
   return lambda: run(qp, kp, vp, segp, keys)
-
-
-def _mgpu_prepass(q, k, v, seg, causal):
-  """The Mosaic GPU path's pre-pass (K/V only: its kernel certifies each tile), padded as the API pads."""
-  bs = pallas_mgpu.default_block_sizes(q.shape[-1], q.shape[1], q.dtype)
-  pad = lambda x: api._pad_seq(x, bs.multiple)
-  return stabilizer.key_bounds(pad(k), pad(v), None if seg is None else pad(seg), causal=causal, tau=64.0,
-                               block_q=bs.tile, seq_len=k.shape[1])
 
 
 def implementations(names, platform, quick):
@@ -107,13 +111,7 @@ def implementations(names, platform, quick):
       "cudnn": lambda q, k, v, seg, causal: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
                                                                          implementation="cudnn"),
   }
-  if quick or platform == "gpu":  # the Triton kernel certifies its tiles itself: the pre-pass is K/V only
-    table["clis_prepass"] = lambda q, k, v, seg, causal: stabilizer.key_bounds(
-        k, v, seg, causal=causal, tau=64.0, block_q=_tile(q, platform, quick), seq_len=k.shape[1])
-  else:
-    table["clis_prepass"] = lambda q, k, v, seg, causal: stabilizer.certify(
-        q, k, v, seg, causal=causal, scale=q.shape[-1] ** -0.5, tau=64.0, granularity="tile",
-        block_q=_tile(q, platform, quick), seq_len=q.shape[1])
+  table["clis_prepass"] = functools.partial(_prepass, quick=quick)
   if quick or platform == "gpu":
     table["clis_kernel"] = functools.partial(_clis_kernel, quick=quick)
   if platform == "gpu":  # clis / online above are the default (Mosaic GPU on Hopper); these name the kernels
@@ -125,10 +123,9 @@ def implementations(names, platform, quick):
                                                                 implementation="pallas_mgpu")
     table["online_mgpu"] = lambda q, k, v, seg, causal: attention(q, k, v, seg, causal=causal, stabilizer="online",
                                                                   implementation="pallas_mgpu")
-    table["clis_mgpu_prepass"] = _mgpu_prepass
-    triton_bwd = pallas_mgpu.BlockSizes(backward=pallas_gpu.BlockSizes())  # the forward with the Triton backward
-    table["clis_mgpu_triton_bwd"] = lambda q, k, v, seg, causal: attention(
-        q, k, v, seg, causal=causal, stabilizer="clis", implementation="pallas_mgpu", block_sizes=triton_bwd)
+    table["clis_mgpu_prepass"] = functools.partial(_prepass, quick=False, implementation="pallas_mgpu")
+    table["clis_mgpu_triton_bwd"] = lambda q, k, v, seg, causal: attention(  # the forward with the Triton backward
+        q, k, v, seg, causal=causal, stabilizer="clis", implementation="pallas_mgpu_triton_bwd")
   fns, notes = {}, []
   for name in names:
     if name == "cudnn" and platform != "gpu":

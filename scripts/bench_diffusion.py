@@ -33,7 +33,7 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from clis_kernels import diffusion  # noqa: E402
-from clis_train import benchmarking  # noqa: E402
+from clis_bench import benchmarking  # noqa: E402
 from examples.video_dit import sampler, train  # noqa: E402
 from examples.video_dit.model import VideoDiT  # noqa: E402
 
@@ -56,7 +56,7 @@ def attention_times(cfg, name, states_per_step, thrs, batch, *, repeats, inner):
   fns = {}
   for step, states in enumerate(states_per_step):
     track = name.endswith("_skip") and thrs[step] > -math.inf
-    attend = jax.jit(lambda q, k, v, s, thr, track=track: sampler.make_attend(name, thr if track else -math.inf)(
+    attend = jax.jit(lambda q, k, v, s, thr, track=track: sampler.make_attend(name, thr if track else -math.inf, cfg)(
         q, k, v, s)[0])
     for layer in range(cfg.layers):
       state = None if states is None else states[layer]

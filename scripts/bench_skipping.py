@@ -24,7 +24,7 @@ import jax.numpy as jnp
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from clis_kernels import attention, diffusion, pallas_gpu  # noqa: E402
-from clis_train import benchmarking  # noqa: E402
+from clis_bench import benchmarking  # noqa: E402
 
 
 def random_marks(key, state: diffusion.SkipState, fraction: float) -> diffusion.SkipState:

@@ -14,9 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import f64_reference as ref
+from clis_kernels import reference_f64 as ref
 from clis_kernels import SegmentIds, attention, masks
 from peer_cases import PEER_CASES, check_peer_case
+from clis_kernels.testing import CASES, packed_segments, random_inputs  # noqa: F401 (shared with other tests)
 from clis_kernels.testing import FAMILIES as PRETRAINED_FAMILIES
 from clis_kernels.testing import inputs as pretrained_like
 
@@ -41,17 +42,6 @@ def real_activations(layer: int, seq: int = 256, kv_heads: int = 2):
   return q, k, v, do
 
 
-# name, batch, seq, q heads, kv heads, head dim, dtype, causal, packed
-CASES = [
-    ("causal_mha_d64_f32_odd", 1, 80, 2, 2, 64, jnp.float32, True, False),
-    ("causal_packed_gqa4_d128_bf16", 1, 100, 8, 2, 128, jnp.bfloat16, True, True),
-    ("bidir_gqa8_d64_bf16_odd", 1, 72, 16, 2, 64, jnp.bfloat16, False, False),
-    ("bidir_packed_mqa_d128_f32", 1, 64, 4, 1, 128, jnp.float32, False, True),
-    ("causal_mqa_d128_bf16", 1, 128, 4, 1, 128, jnp.bfloat16, True, False),
-    ("causal_packed_mha_d64_bf16_b2", 2, 50, 2, 2, 64, jnp.bfloat16, True, True),
-]
-
-
 def _lower_for(device_kind, num_cores, platform, lowering_platform):
   def lower(fn, *args):
     device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=num_cores, platform=platform)
@@ -67,28 +57,6 @@ lower_for_h200 = _lower_for("NVIDIA H200", 132, "gpu", "cuda")
 # lower_for_tpu(fn, *args): the same for a TPU v5e (Mosaic TPU's lowering runs in Python and checks
 # block shapes and layouts; the compiler's own checks still need a TPU).
 lower_for_tpu = _lower_for("TPU v5 lite", 1, "tpu", "tpu")
-
-
-def random_inputs(seed, batch, seq, hq, hkv, d, dtype, *, key_offset=0.5):
-  """q, k, v, dout; keys share a common component, as in trained models."""
-  kq, kk, kv, kd, kc = jax.random.split(jax.random.PRNGKey(seed), 5)
-  q = jax.random.normal(kq, (batch, seq, hq, d))
-  k = jax.random.normal(kk, (batch, seq, hkv, d)) + key_offset * jax.random.normal(kc, (1, 1, hkv, d))
-  v = jax.random.normal(kv, (batch, seq, hkv, d))
-  do = jax.random.normal(kd, (batch, seq, hq, d))
-  return [x.astype(dtype) for x in (q, k, v, do)]
-
-
-def packed_segments(seed, batch, seq):
-  """Three or four documents per row, ids starting at 1, and a padded (id 0) tail."""
-  rng = np.random.default_rng(seed)
-  rows = []
-  for _ in range(batch):
-    cuts = np.sort(rng.choice(np.arange(2, seq - 4), 3, replace=False))
-    ids = np.searchsorted(cuts, np.arange(seq), side="right") + 1
-    ids[-3:] = 0
-    rows.append(ids)
-  return jnp.asarray(np.stack(rows), jnp.int32)
 
 
 class AttentionTests:

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import f64_reference as ref
+from clis_kernels import reference_f64 as ref
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-import f64_reference as ref
+from clis_kernels import reference_f64 as ref
 from attention_base import lower_for_h200, random_inputs
-from clis_kernels import SegmentIds, api, attention, pallas_gpu, pallas_tpu, reference
+from clis_kernels import SegmentIds, api, attention, pallas_gpu, pallas_tpu, plan, reference
 
 q0 = jnp.zeros((2, 32, 4, 64), jnp.float32)
 kv0 = jnp.zeros((2, 32, 2, 64), jnp.float32)
@@ -67,13 +67,10 @@ def test_cpu_default_is_the_reference_and_matches_xla():
     (True, jnp.float32, 128, False, "pallas_gpu"), (True, jnp.bfloat16, 96, False, "pallas_mgpu"),
     (True, jnp.bfloat16, 256, False, "pallas_gpu"), (True, jnp.bfloat16, 128, True, "pallas_gpu"),
     (False, jnp.bfloat16, 128, False, "pallas_gpu")])
-def test_gpu_default_is_the_mosaic_backend_on_hopper_where_it_applies(monkeypatch, hopper, dtype, head_dim,
-                                                                      window_or_cap, want):
+def test_gpu_default_is_the_mosaic_backend_on_hopper_where_it_applies(hopper, dtype, head_dim, window_or_cap, want):
   """Head dims up to 128 are padded to the Mosaic kernels' 64/128; windows and soft caps take Triton."""
-  monkeypatch.setattr(api, "_platform", lambda: "gpu")
-  monkeypatch.setattr(api, "_gpu_is_hopper", lambda: hopper)
-  q = jax.ShapeDtypeStruct((1, 128, 4, head_dim), dtype)
-  assert api._resolve_implementation(None, False, q, window_or_cap) == want
+  call = plan.Call(jnp.dtype(dtype), head_dim, window_or_cap)
+  assert plan.choose(None, call, plan.Platform("gpu", hopper=hopper)).name == want
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -97,12 +94,11 @@ def test_window_cap_and_segment_ids_get_one_clear_error(kwargs, message):
     attention(q, k, k, seg, **kwargs)
 
 
-def test_mosaic_gpu_refuses_window_and_soft_cap_by_name(monkeypatch):
-  monkeypatch.setattr(api, "_platform", lambda: "gpu")
+def test_mosaic_gpu_refuses_window_and_soft_cap_by_name():
   q = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
   for kw in (dict(local_window_size=16), dict(logits_soft_cap=30.0)):
     with pytest.raises(ValueError, match="'pallas_mgpu' has no local window or logits soft cap; use 'pallas_gpu'"):
-      jax.eval_shape(lambda q: attention(q, q, q, implementation="pallas_mgpu", **kw), q)
+      jax.eval_shape(lambda q: attention(q, q, q, implementation="pallas_mgpu", platform=plan.HOPPER, **kw), q)
 
 
 def test_xla_path_follows_the_segment_convention():
@@ -157,15 +153,14 @@ def test_shard_map_over_batch_and_heads(implementation, check_vma):
 
 @pytest.mark.parametrize("causal,packed,dtype", [(True, False, jnp.bfloat16), (True, True, jnp.bfloat16),
                                                  (False, False, jnp.float32), (False, True, jnp.bfloat16)])
-def test_triton_kernels_lower_for_the_gpu(monkeypatch, causal, packed, dtype):
+def test_triton_kernels_lower_for_the_gpu(causal, packed, dtype):
   """Catches ops the Triton backend cannot lower (interpret mode would not) without a GPU."""
-  monkeypatch.setattr("clis_kernels.api._platform", lambda: "gpu")
   q = jax.ShapeDtypeStruct((1, 200, 8, 128), dtype)
   k = jax.ShapeDtypeStruct((1, 200, 2, 128), dtype)
   seg = jax.ShapeDtypeStruct((1, 200), jnp.int32) if packed else None
 
   def loss(q, k, v, seg):
-    out = attention(q, k, v, seg, causal=causal, implementation="pallas_gpu")
+    out = attention(q, k, v, seg, causal=causal, implementation="pallas_gpu", platform=plan.Platform("gpu"))
     return out.astype(jnp.float32).sum()
 
   text = lower_for_h200(jax.grad(loss, argnums=(0, 1, 2)), q, k, k, seg)

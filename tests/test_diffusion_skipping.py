@@ -9,9 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import f64_reference as ref
+from clis_kernels import reference_f64 as ref
 from attention_base import lower_for_h200, lower_for_tpu
 from clis_kernels import attention, diffusion, pallas_gpu, pallas_tpu, reference
+from clis_kernels.plan import Platform
 
 BS = reference.BlockSizes(block_q=16, block_k=16)
 
@@ -148,8 +149,8 @@ def test_skip_kernel_without_marks_is_dense(implementation, kernel_bs):
   assert ref.rel_err(out, want) < 1e-5  # f32 forward tolerance of the shared test base
 
 
-LOWERINGS = {"pallas_gpu": (pallas_gpu, lower_for_h200, 300, "clis_skip_fwd"),
-             "pallas_tpu": (pallas_tpu, lower_for_tpu, 1000, "clis_skip_fwd_tpu")}
+LOWERINGS = {"pallas_gpu": (pallas_gpu, lower_for_h200, 300, "clis_skip_fwd", Platform("gpu", hopper=True)),
+             "pallas_tpu": (pallas_tpu, lower_for_tpu, 1000, "clis_skip_fwd_tpu", Platform("tpu"))}
 
 
 @pytest.mark.parametrize("implementation", list(LOWERINGS))
@@ -157,12 +158,12 @@ LOWERINGS = {"pallas_gpu": (pallas_gpu, lower_for_h200, 300, "clis_skip_fwd"),
 def test_skip_kernels_lower_for_their_hardware(implementation, track):
   """With no GPU or TPU present: the Triton list-driven loop lowers for an H200, the TPU kernel's
   scalar-prefetched tables and index maps for a TPU v5e, at their default tiles."""
-  backend, lower, seq, name = LOWERINGS[implementation]
+  backend, lower, seq, name, platform = LOWERINGS[implementation]
   q = jax.ShapeDtypeStruct((1, seq, 4, 128), jnp.bfloat16)
   bs = backend.default_block_sizes(128, seq, jnp.bfloat16)
   state = diffusion.init_state(1, 4, seq, bs)
   fn = lambda q, k, v, s: diffusion.attention(q, k, v, s, thr=-10.0 if track else -math.inf, block_sizes=bs,
-                                              implementation=implementation)[0]
+                                              implementation=implementation, platform=platform)[0]
   assert name in lower(fn, q, q, q, state)
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax.linen import partitioning
 
-import f64_reference as ref
+from clis_kernels import reference_f64 as ref
 import maxtext
 from clis_train.integrations import maxtext as clis_maxtext
 from maxtext.common import common_types

@@ -5,7 +5,7 @@ import dataclasses
 import jax
 import pytest
 
-import f64_reference as ref
+from clis_kernels import reference_f64 as ref
 from attention_base import CASES, CLIS_VS_ONLINE, TOLERANCE, AttentionTests, packed_segments, random_inputs
 from clis_kernels import pallas_gpu
 

@@ -12,15 +12,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import f64_reference as ref
+from clis_kernels import reference_f64 as ref
 from attention_base import CLIS_VS_ONLINE, TOLERANCE, lower_for_h200, packed_segments, random_inputs
 from peer_cases import PEER_CASES, check_peer_case
-from clis_kernels import attention, pallas_gpu, pallas_mgpu, pallas_mgpu_vjp
+from clis_kernels import attention, pallas_gpu, pallas_mgpu, pallas_mgpu_vjp, plan
+from clis_kernels.plan import HOPPER
 
 ON_GPU = jax.devices()[0].platform == "gpu"
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernels run on an NVIDIA Hopper GPU only")
-MOSAIC_BACKWARD = pallas_mgpu.BlockSizes()  # the default
-TRITON_BACKWARD = pallas_mgpu.BlockSizes(backward=pallas_gpu.BlockSizes())
+BACKWARDS = {"mosaic": "pallas_mgpu", "triton": "pallas_mgpu_triton_bwd"}  # the forward with each backward
 
 
 @pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
@@ -28,10 +28,9 @@ TRITON_BACKWARD = pallas_mgpu.BlockSizes(backward=pallas_gpu.BlockSizes())
     (True, 256, 128, "clis", "tile"), (True, 256, 64, "online", "tile"), (False, 200, 128, "clis", "tile"),
     (False, 256, 64, "online", "tile"), (True, 256, 128, "clis", "head"), (False, 200, 64, "clis", "head")])
 @pytest.mark.parametrize("packed", [False, True])
-def test_kernel_lowers_for_the_gpu(monkeypatch, causal, seq, d, stabilizer, granularity, packed):
+def test_kernel_lowers_for_the_gpu(causal, seq, d, stabilizer, granularity, packed):
   """Forward (in-kernel certificate for tiles, XLA certificate for heads) and the default backward
   lower for an H200 as three Mosaic GPU kernels, odd lengths padded and masked."""
-  monkeypatch.setattr("clis_kernels.api._platform", lambda: "gpu")
   q = jax.ShapeDtypeStruct((1, seq, 8, d), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((1, seq, 2, d), jnp.bfloat16)
 
@@ -39,7 +38,7 @@ def test_kernel_lowers_for_the_gpu(monkeypatch, causal, seq, d, stabilizer, gran
 
   def loss(q, k, v, seg):
     out = attention(q, k, v, seg, causal=causal, stabilizer=stabilizer, granularity=granularity,
-                    implementation="pallas_mgpu")
+                    implementation="pallas_mgpu", platform=HOPPER)
     return out.astype(jnp.float32).sum()
 
   text = lower_for_h200(jax.grad(loss, argnums=(0, 1, 2)), q, k, k, seg)
@@ -48,16 +47,15 @@ def test_kernel_lowers_for_the_gpu(monkeypatch, causal, seq, d, stabilizer, gran
 
 @pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
 @pytest.mark.parametrize("packed", [False, True])
-def test_triton_backward_lowers_for_the_gpu(monkeypatch, packed):
-  """backward=pallas_gpu.BlockSizes() keeps the Mosaic forward and takes pallas_gpu's Triton backward."""
-  monkeypatch.setattr("clis_kernels.api._platform", lambda: "gpu")
+def test_triton_backward_lowers_for_the_gpu(packed):
+  """implementation="pallas_mgpu_triton_bwd": the Mosaic forward with pallas_gpu's Triton backward."""
   q = jax.ShapeDtypeStruct((1, 256, 8, 128), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
   seg = jax.ShapeDtypeStruct((1, 256), jnp.int32) if packed else None
 
   def loss(q, k, v, seg):
-    return attention(q, k, v, seg, causal=True, implementation="pallas_mgpu",
-                     block_sizes=TRITON_BACKWARD).astype(jnp.float32).sum()
+    return attention(q, k, v, seg, causal=True, implementation="pallas_mgpu_triton_bwd",
+                     platform=HOPPER).astype(jnp.float32).sum()
 
   text = lower_for_h200(jax.grad(loss, argnums=(0, 1, 2)), q, k, k, seg)
   assert text.count("custom_call @mosaic_gpu") == 1
@@ -69,17 +67,16 @@ def test_triton_backward_lowers_for_the_gpu(monkeypatch, packed):
 @pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
 @pytest.mark.parametrize("causal,seq,d,hkv,packed", [
     (True, 256, 128, 2, False), (False, 200, 64, 8, False), (True, 256, 64, 2, True), (False, 256, 128, 8, True)])
-def test_mosaic_backward_lowers_for_the_gpu(monkeypatch, causal, seq, d, hkv, packed):
-  """With the default backward=pallas_mgpu_vjp.BlockSizes(), forward, dQ and dK/dV are three Mosaic GPU
+def test_mosaic_backward_lowers_for_the_gpu(causal, seq, d, hkv, packed):
+  """With implementation="pallas_mgpu" (its default backward), forward, dQ and dK/dV are three Mosaic GPU
   kernels (no Triton kernel left), GQA and MHA, odd lengths padded, packed segments."""
-  monkeypatch.setattr("clis_kernels.api._platform", lambda: "gpu")
   q = jax.ShapeDtypeStruct((1, seq, 8, d), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((1, seq, hkv, d), jnp.bfloat16)
   seg = jax.ShapeDtypeStruct((1, seq), jnp.int32) if packed else None
 
   def loss(q, k, v, seg):
     return attention(q, k, v, seg, causal=causal, implementation="pallas_mgpu",
-                     block_sizes=MOSAIC_BACKWARD).astype(jnp.float32).sum()
+                     backward_block_sizes=pallas_mgpu_vjp.BlockSizes(), platform=HOPPER).astype(jnp.float32).sum()
 
   text = lower_for_h200(jax.grad(loss, argnums=(0, 1, 2)), q, k, k, seg)
   assert text.count("custom_call @mosaic_gpu") == 3 and "clis_bwd" not in text
@@ -88,11 +85,10 @@ def test_mosaic_backward_lowers_for_the_gpu(monkeypatch, causal, seq, d, hkv, pa
 @pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("causal,packed", [(True, False), (False, False), (True, True)])
-def test_forward_without_pingpong_lowers_for_the_gpu(monkeypatch, causal, packed, overlap):
-  monkeypatch.setattr("clis_kernels.api._platform", lambda: "gpu")
+def test_forward_without_pingpong_lowers_for_the_gpu(causal, packed, overlap):
   q = jax.ShapeDtypeStruct((1, 384, 4, 128), jnp.bfloat16)
   seg = jax.ShapeDtypeStruct((1, 384), jnp.int32) if packed else None
-  fn = lambda q, k, v, seg: attention(q, k, v, seg, causal=causal, implementation="pallas_mgpu",
+  fn = lambda q, k, v, seg: attention(q, k, v, seg, causal=causal, implementation="pallas_mgpu", platform=HOPPER,
                                       block_sizes=pallas_mgpu.BlockSizes(pingpong=False, overlap=overlap))
   assert "mosaic_gpu" in lower_for_h200(fn, q, q, q, seg)
 
@@ -100,7 +96,7 @@ def test_forward_without_pingpong_lowers_for_the_gpu(monkeypatch, causal, packed
 def test_mosaic_backward_block_sizes_are_validated():
   with pytest.raises(ValueError, match="slots=1 must be at least 2"):
     pallas_mgpu_vjp.BlockSizes(slots=1)
-  assert MOSAIC_BACKWARD.multiple == 128
+  assert pallas_mgpu_vjp.BlockSizes().multiple == 128
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -109,27 +105,27 @@ def test_mosaic_backward_block_sizes_are_validated():
     (dict(interpret=True), "has no interpret mode"),
     (dict(scale=-1.0), "must be positive"),
 ])
-def test_unsupported_inputs_get_one_clear_error(monkeypatch, kwargs, message):
-  monkeypatch.setattr("clis_kernels.api._platform", lambda: "gpu")
+def test_unsupported_inputs_get_one_clear_error(kwargs, message):
   d, dtype = kwargs.pop("d", 64), kwargs.pop("dtype", jnp.bfloat16)
   q = jnp.zeros((1, 128, 2, d), dtype)
   with pytest.raises(ValueError, match=message):
-    jax.eval_shape(lambda q: attention(q, q, q, implementation="pallas_mgpu", **kwargs), q)
+    jax.eval_shape(lambda q: attention(q, q, q, implementation="pallas_mgpu", platform=HOPPER, **kwargs), q)
 
 
 @pytest.mark.parametrize("kwargs,message", [(dict(block_q=128), "block_q=128 must be 64"),
                                             (dict(block_kv=256), "block_kv=256 must be 64 or 128"),
                                             (dict(slots=1), "slots=1 must be at least 2"),
-                                            (dict(overlap=True), "overlap=True needs pingpong=False"),
-                                            (dict(backward=None), "backward must be a pallas_gpu.BlockSizes")])
+                                            (dict(overlap=True), "overlap=True needs pingpong=False")])
 def test_block_sizes_are_validated(kwargs, message):
   with pytest.raises(ValueError, match=message):
     pallas_mgpu.BlockSizes(**kwargs)
 
 
 def test_padding_multiple_covers_both_warpgroups_and_the_backward():
-  bs = pallas_mgpu.BlockSizes(block_kv=64, backward=pallas_gpu.BlockSizes(block_q=256, block_k=128))
-  assert bs.tile == 64 and bs.multiple == 256
+  kw = dict(dtype=jnp.bfloat16, head_dim=64, seq_len=1024, platform=HOPPER)
+  p = plan.make_plan(implementation="pallas_mgpu_triton_bwd", block_sizes=pallas_mgpu.BlockSizes(block_kv=64),
+                     backward_block_sizes=pallas_gpu.BlockSizes(block_q=256, block_k=128), **kw)
+  assert p.tile == 64 and p.multiple == 256
   assert pallas_mgpu.BlockSizes(block_kv=64).multiple == 128  # two warpgroups of 64 rows
 
 
@@ -176,8 +172,8 @@ def test_mosaic_backward_matches_float64_on_gpu(case):
   seg = packed_segments(len(name), batch, seq) if packed else None
   want = ref.attention(q, k, v, do, seg, causal=causal)[1:]
   errors = {}
-  for label, bs in (("mosaic", MOSAIC_BACKWARD), ("triton", TRITON_BACKWARD)):
-    f = lambda q, k, v: attention(q, k, v, seg, causal=causal, implementation="pallas_mgpu", block_sizes=bs)
+  for label, implementation in BACKWARDS.items():
+    f = lambda q, k, v: attention(q, k, v, seg, causal=causal, implementation=implementation)
     grads = jax.vjp(f, q, k, v)[1](do)
     assert all(bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in grads), label
     errors[label] = [ref.rel_err(g, w) for g, w in zip(grads, want)]

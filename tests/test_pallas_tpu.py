@@ -6,6 +6,7 @@ import pytest
 
 from attention_base import AttentionTests, lower_for_tpu
 from clis_kernels import attention, pallas_tpu
+from clis_kernels.plan import Platform
 
 
 class TestPallasTpu(AttentionTests):
@@ -16,15 +17,15 @@ class TestPallasTpu(AttentionTests):
 
 
 @pytest.mark.parametrize("causal,seq,packed", [(True, 1000, False), (False, 1000, False), (True, 1024, True)])
-def test_kernels_lower_for_a_tpu(monkeypatch, causal, seq, packed):
+def test_kernels_lower_for_a_tpu(causal, seq, packed):
   """Forward and both backward kernels at their default (512-row) tiles lower for a TPU v5e."""
-  monkeypatch.setattr("clis_kernels.api._platform", lambda: "tpu")
   q = jax.ShapeDtypeStruct((1, seq, 4, 128), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((1, seq, 2, 128), jnp.bfloat16)
   seg = jax.ShapeDtypeStruct((1, seq), jnp.int32) if packed else None
 
   def loss(q, k, v, seg):
-    return attention(q, k, v, seg, causal=causal, implementation="pallas_tpu").astype(jnp.float32).sum()
+    return attention(q, k, v, seg, causal=causal, implementation="pallas_tpu",
+                     platform=Platform("tpu")).astype(jnp.float32).sum()
 
   text = lower_for_tpu(jax.grad(loss, argnums=(0, 1, 2)), q, k, k, seg)
   assert text.count("tpu_custom_call") >= 3

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import f64_reference as ref
+from clis_kernels import reference_f64 as ref
 from clis_kernels import reference, stabilizer
 from clis_kernels.stabilizer import LOG2E, Certificate
 

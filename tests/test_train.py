@@ -247,17 +247,17 @@ def test_distributed_initialize_reads_the_usual_environment(monkeypatch):
   assert calls[-1] == {}
 
 
-def test_mgpu_attention_reaches_the_mosaic_kernel_with_packed_segments(monkeypatch):
+def test_mgpu_attention_reaches_the_mosaic_kernel_with_packed_segments():
   """attention=clis_mgpu / online_mgpu: the model's call site runs the Mosaic GPU forward (lowered
   for an H200 here; the numerics are tests/test_pallas_mgpu.py's, on the GPU)."""
   from attention_base import lower_for_h200
   from clis_train.attention import make_attention
-  monkeypatch.setattr("clis_kernels.api._platform", lambda: "gpu")
+  from clis_kernels.plan import HOPPER
   q = jax.ShapeDtypeStruct((1, 256, 4, 64), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
   seg = jax.ShapeDtypeStruct((1, 256), jnp.int32)
   for name in ("clis_mgpu", "online_mgpu"):
-    text = lower_for_h200(make_attention(name, None), q, k, k, seg)
+    text = lower_for_h200(make_attention(name, None, platform=HOPPER), q, k, k, seg)
     assert "mosaic_gpu" in text, name
   with pytest.raises(ValueError, match="must be one of clis, online, clis_mgpu"):
     make_attention("clis_mosaic", None)

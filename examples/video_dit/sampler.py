@@ -16,43 +16,53 @@ import jax
 import jax.numpy as jnp
 
 from clis_kernels import attention as clis_attention
-from clis_kernels import diffusion, pallas_gpu, pallas_tpu, reference
+from clis_kernels import diffusion, reference
+from clis_kernels import plan as plan_lib
 from examples.video_dit.model import DiTConfig, VideoDiT
 
 BACKENDS = ("xla", "cudnn", "online", "clis", "online_skip", "clis_skip")
 
 
-def skip_implementation() -> tuple[str, object]:
-  """(implementation, block sizes) of the skip path on this platform: the Triton kernel on GPUs,
-  the Mosaic TPU kernel on TPUs, the reference elsewhere."""
-  platform = jax.devices()[0].platform
-  if platform in ("gpu", "tpu"):
-    return f"pallas_{platform}", None
-  return "reference", reference.BlockSizes(block_q=64, block_k=64)
+@functools.lru_cache(maxsize=None)
+def skip_plan(cfg: DiTConfig) -> plan_lib.Plan:
+  """The skip path's plan: plan.py picks this platform's skip kernel (Triton on GPUs, Mosaic on
+  TPUs, the reference elsewhere); on the reference, 64-row tiles give the small CPU example several
+  tiles per row."""
+  kw = dict(dtype=jnp.dtype(cfg.dtype), head_dim=cfg.head_dim, seq_len=cfg.tokens, skipping=True)
+  plan = plan_lib.make_plan(**kw)
+  if plan.entry.name == "reference":
+    plan = plan_lib.make_plan(implementation="reference", block_sizes=reference.BlockSizes(block_q=64, block_k=64),
+                              **kw)
+  return plan
 
 
-def make_attend(name: str, thr=None):
-  """attend(q, k, v, state) -> (out, state, sparsity or None); thr is traced for the skip backends."""
+def _skip_kw(cfg: DiTConfig) -> dict:
+  plan = skip_plan(cfg)
+  return dict(implementation=plan.entry.name, block_sizes=plan.block_sizes)
+
+
+def make_attend(name: str, thr=None, cfg: DiTConfig | None = None):
+  """attend(q, k, v, state) -> (out, state, sparsity or None); thr is traced for the skip backends,
+  which take their plan from cfg."""
   if name not in BACKENDS:
     raise ValueError(f"attention={name!r} must be one of {BACKENDS}")
   if name in ("xla", "cudnn"):
     return lambda q, k, v, state: (jax.nn.dot_product_attention(q, k, v, implementation=name), state, None)
   if name in ("online", "clis"):
     return lambda q, k, v, state: (clis_attention(q, k, v, causal=False, stabilizer=name), state, None)
-  impl, bs = skip_implementation()
+  kw = _skip_kw(cfg)
 
   def attend(q, k, v, state):
-    out, state, stats = diffusion.attention(q, k, v, state, thr=thr, implementation=impl, block_sizes=bs,
-                                            stabilizer_name=name.removesuffix("_skip"))
+    out, state, stats = diffusion.attention(q, k, v, state, thr=thr, stabilizer_name=name.removesuffix("_skip"),
+                                            **kw)
     return out, state, stats.sparsity
   return attend
 
 
-def make_calibrating_attend(name: str, target: float, thrs: list):
+def make_calibrating_attend(name: str, target: float, thrs: list, cfg: DiTConfig):
   """Like make_attend's skip backends, but each call bisects its own thr to `target` relative L1
   error (diffusion.calibrate_thr) and appends it to `thrs`. Eager (Python-level): not under jit."""
-  impl, bs = skip_implementation()
-  kw = dict(implementation=impl, block_sizes=bs, stabilizer_name=name.removesuffix("_skip"))
+  kw = dict(_skip_kw(cfg), stabilizer_name=name.removesuffix("_skip"))
 
   def attend(q, k, v, state):
     thr, _ = diffusion.calibrate_thr(q, k, v, state, target=target, **kw)
@@ -63,17 +73,13 @@ def make_calibrating_attend(name: str, target: float, thrs: list):
 
 
 def init_skip_states(cfg: DiTConfig, batch: int):
-  impl, bs = skip_implementation()
-  if bs is None:  # the kernel's default tiles, as diffusion.attention picks them
-    backend = {"pallas_gpu": pallas_gpu, "pallas_tpu": pallas_tpu}[impl]
-    bs = backend.default_block_sizes(cfg.head_dim, cfg.tokens, jnp.dtype(cfg.dtype))
-  return [diffusion.init_state(batch, cfg.heads, cfg.tokens, bs) for _ in range(cfg.layers)]
+  return [diffusion.init_state(batch, cfg.heads, cfg.tokens, skip_plan(cfg).block_sizes) for _ in range(cfg.layers)]
 
 
 @functools.lru_cache(maxsize=None)
 def _step_fn(cfg: DiTConfig, name: str, track: bool):
   def step(params, x, t, dt, condition, states, thr):
-    model = VideoDiT(cfg, make_attend(name, thr if track else -math.inf))
+    model = VideoDiT(cfg, make_attend(name, thr if track else -math.inf, cfg))
     velocity, states, aux = model.apply({"params": params}, x, jnp.full((x.shape[0],), t), condition, states)
     return x - dt * velocity, states, aux
   return jax.jit(step)
@@ -95,7 +101,7 @@ def sample(params, cfg: DiTConfig, noise, condition, *, attention: str, steps: i
                                        thr_late=thr_late) if skip else -math.inf
     layer_thrs = []
     if skip and calibrate is not None and i >= dense_steps:
-      model = VideoDiT(cfg, make_calibrating_attend(attention, calibrate, layer_thrs))
+      model = VideoDiT(cfg, make_calibrating_attend(attention, calibrate, layer_thrs, cfg))
 
       def fn(params, x, t, dt, condition, states, thr, model=model):
         velocity, states, aux = model.apply({"params": params}, x, jnp.full((x.shape[0],), t), condition, states)

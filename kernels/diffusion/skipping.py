@@ -32,8 +32,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from clis_kernels import api, masks, pallas_gpu, pallas_tpu, reference, stabilizer
-from clis_kernels.diffusion import pallas_gpu_skip, pallas_tpu_skip
+from clis_kernels import api, masks, pallas_gpu, stabilizer
+from clis_kernels import plan as plan_lib
 from clis_kernels.stabilizer import NEG
 
 
@@ -99,61 +99,58 @@ def _kept_tiles(skip):
 
 
 def attention(q, k, v, state: SkipState, *, thr, scale: float | None = None, block_sizes=None,
-              stabilizer_name: str = "clis", tau: float = 64.0, implementation: str = "reference",
-              interpret: bool = False):
+              stabilizer_name: str = "clis", tau: float = 64.0, implementation: str | None = None,
+              interpret: bool = False, platform=None):
   """Bidirectional attention that leaves out the tiles `state` marks and marks new ones.
 
   q [B, S, H, D], k/v [B, Sk, Hkv, D]. thr: log2 threshold, a float (−inf: mark nothing, and
   skip the marking work) or a traced scalar (a schedule under one jit; marks when finite).
-  implementation: "reference" (pure JAX), "pallas_gpu" (the Triton skip kernel) or "pallas_tpu"
-  (the Mosaic TPU one); interpret=True runs a kernel on the CPU. block_sizes: that backend's.
+  implementation: None (the platform's skip kernel, through plan.py: the Triton kernel on GPUs,
+  the Mosaic TPU one on TPUs, the reference elsewhere), or "reference", "pallas_gpu", "pallas_tpu";
+  interpret=True runs a kernel on the CPU. block_sizes: that backend's.
   Returns (out like q, new SkipState, SkipStats).
   """
-  api._validate(q, k, v, None, False, stabilizer_name, "tile", tau)
-  backends = {"reference": reference, "pallas_gpu": pallas_gpu, "pallas_tpu": pallas_tpu}
-  if implementation not in backends:
-    raise ValueError(f"{implementation=} must be one of {tuple(backends)} for skipping")
-  backend = backends[implementation]
+  api.check_inputs(q, k, v, None, False, stabilizer_name, "tile", tau)
+  plan = plan_lib.make_plan(dtype=q.dtype, head_dim=q.shape[-1], seq_len=max(q.shape[1], k.shape[1]),
+                            stabilizer=stabilizer_name, skipping=True, implementation=implementation,
+                            block_sizes=block_sizes, interpret=interpret, platform=platform)
+  bs, name, skip_forward = plan.block_sizes, plan.entry.name, plan.backend.skip_forward
   scale = float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-  bs = block_sizes or backend.default_block_sizes(q.shape[-1], max(q.shape[1], k.shape[1]), q.dtype)
-  if not isinstance(bs, backend.BlockSizes):
-    raise ValueError(f"block_sizes must be {backend.__name__}.BlockSizes for {implementation=}")
   bq, bk = tiles(bs)
   seq_len, kv_seq_len = q.shape[1], k.shape[1]
-  qp, kp, vp = (api._pad_seq(x, bs.multiple) for x in (q, k, v))
+  qp, kp, vp = (api.pad_seq(x, plan.multiple) for x in (q, k, v))
   kv_len = kv_seq_len if kp.shape[1] != kv_seq_len else None
   nq, nk = qp.shape[1] // bq, kp.shape[1] // bk
   if state.skip.shape != (q.shape[0], q.shape[2], nq, nk):
     raise ValueError(f"state.skip.shape={state.skip.shape} must be {(q.shape[0], q.shape[2], nq, nk)} for these "
                      "inputs and block sizes; make it with init_state(...)")
-  keys = None
-  if stabilizer_name == "clis":
+  keys = cert = None
+  if plan.mode is not plan_lib.Mode.ONLINE:
     keys = stabilizer.key_bounds(kp, vp, None, causal=False, tau=tau, block_q=bq, seq_len=kv_seq_len)
-  track = not isinstance(thr, (int, float)) or thr > -math.inf
-
-  cert = None
-  if keys is not None and implementation != "pallas_gpu":  # the Triton kernel certifies in its prologue
+  if plan.mode is plan_lib.Mode.CERTIFICATE:  # kernels that do not certify in their prologue
     cert = stabilizer.certify_rows(qp, kp, None, keys, causal=False, scale=scale, granularity="tile", block_q=bq,
                                    seq_len=seq_len)
-  if implementation == "reference":
-    out, _, (gap_rows, log2_l_rows) = reference.forward_with_tiles(
+  track = not isinstance(thr, (int, float)) or thr > -math.inf
+
+  if name == "reference":
+    out, _, (gap_rows, log2_l_rows) = skip_forward(
         qp, kp, vp, None, cert, causal=False, scale=scale, kv_len=kv_len, block_sizes=bs, tile_skip=state.skip,
         tile_gap=True)
     real = masks.query_is_real(None, qp.shape[1], seq_len)[0][None, None, :]
     per_tile = lambda x: x.reshape(x.shape[0], x.shape[1], nq, bq, *x.shape[3:])
     gap = per_tile(jnp.where(real[..., None], gap_rows, NEG)).max(axis=3)
     log2_l = per_tile(jnp.where(real, log2_l_rows, jnp.inf)).min(axis=3)
-  elif implementation == "pallas_tpu":
+  elif name == "pallas_tpu":
     visit, count = _kept_tiles(state.skip)
-    out, _, gap, log2_l = pallas_tpu_skip.forward(qp, kp, vp, visit, count, cert, scale=scale, kv_len=kv_len,
-                                                  seq_len=seq_len, block_sizes=bs, track=track, interpret=interpret)
-  else:
+    out, _, gap, log2_l = skip_forward(qp, kp, vp, visit, count, cert, scale=scale, kv_len=kv_len, seq_len=seq_len,
+                                       block_sizes=bs, track=track, interpret=interpret)
+  else:  # pallas_gpu: certifies each tile from `keys` in its prologue
     visit, count = _kept_tiles(state.skip)
     nk_pad = max(16, 1 << (nk - 1).bit_length())
     visit = jnp.pad(visit, [(0, 0)] * 3 + [(0, nk_pad - nk)])
-    out, _, _, gap, log2_l = pallas_gpu_skip.forward(qp, kp, vp, visit, count, keys, scale=scale, kv_len=kv_len,
-                                                     seq_len=seq_len, block_sizes=bs, track=track,
-                                                     interpret=interpret)
+    out, _, _, gap, log2_l = skip_forward(qp, kp, vp, visit, count, keys if plan.mode is plan_lib.Mode.KEYS else None,
+                                          scale=scale, kv_len=kv_len, seq_len=seq_len, block_sizes=bs, track=track,
+                                          interpret=interpret)
     gap = gap[..., :nk]
 
   new_marks = jnp.zeros_like(state.skip)

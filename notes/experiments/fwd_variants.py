@@ -28,7 +28,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from clis_kernels import attention, masks, pallas_gpu, stabilizer
 from clis_kernels.stabilizer import LOG2E, NEG
-from clis_train import benchmarking
+from clis_bench import benchmarking
 
 
 def key_stats(k, v, *, causal, seq_len, tau=64.0):

@@ -8,15 +8,12 @@ entries, at which rows and heads, and the forward's largest difference from the 
 
 from __future__ import annotations
 
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, "tests")
-from attention_base import packed_segments, random_inputs  # noqa: E402
-from clis_kernels import attention  # noqa: E402
+from clis_kernels import attention
+from clis_kernels.testing import packed_segments, random_inputs
 
 CASES = [("bidir_packed_mha_d64", 1, 640, 4, 4, 64, False), ("bidir_packed_mha_d128", 1, 640, 4, 4, 128, False),
          ("bidir_packed_gqa4_d128", 1, 1000, 8, 2, 128, False), ("causal_packed_mha_d64", 1, 640, 4, 4, 64, True)]

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from clis_kernels import attention, pallas_mgpu, stabilizer
-from clis_train import benchmarking
+from clis_bench import benchmarking
 
 CASES = {"causal_S8192_H32_8": (8192, 32, 8, True), "bidir_S32768_H12": (32768, 12, 12, False)}
 

@@ -1,4 +1,4 @@
-"""Dense float64 attention in NumPy, forward and gradients: the ground truth of the tests."""
+"""Dense float64 attention in NumPy, forward and gradients: the ground truth of the tests, notes and benchmarks."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Measuring and reporting, shared by the scripts in scripts/ (DESIGN §5's rules).
+"""Measuring and reporting, shared by the scripts in scripts/ (variants interleaved and repeated,
+spread reported: BENCHMARKS.md's rules).
 
 `interleaved_medians` times several variants round-robin (A B C A B C …), each sample being
 `inner` back-to-back calls after a warm-up, and returns per-variant medians with their

@@ -1,0 +1,213 @@
+"""One plan per attention call: which backend entry runs it (forward, backward, and the skip forward
+for temporal tile skipping), with which tiles, padded to what, in which stabilizer mode.
+
+Every caller (`attention`, `diffusion.attention`, the example sampler, the benchmarks, the trainer)
+reaches a kernel through `make_plan`; nothing else decides a backend. The registry is ordered by
+priority: `implementation=None` takes the first entry that supports the call, and a named entry
+that cannot run it says why. The platform is a parameter (`Platform.detect()` by default), so a
+test plans for an H200 on a CPU without patching anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import importlib
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class Mode(enum.Enum):
+  """Where a call's stabilizer comes from; each kernel runs the loop its mode names."""
+
+  ONLINE = "online"  # flash attention's online softmax everywhere (stabilizer="online")
+  KEYS = "keys"  # the kernel certifies each tile in its prologue from stabilizer.KeyBounds
+  CERTIFICATE = "certificate"  # an XLA pre-pass (stabilizer.certify_rows) certified each tile
+  BLOCKS = "blocks"  # an XLA pre-pass with the block bound (stabilizer.certify_blocks)
+
+
+@dataclasses.dataclass(frozen=True)
+class Platform:
+  name: str  # "cpu" | "gpu" | "tpu"
+  hopper: bool = False  # an NVIDIA GPU of compute capability 9 (H100, H200)
+
+  @classmethod
+  def detect(cls) -> Platform:
+    device = jax.devices()[0]
+    return cls(device.platform, str(getattr(device, "compute_capability", "")).startswith("9"))
+
+
+HOPPER = Platform("gpu", hopper=True)
+
+
+class Backend(NamedTuple):
+  """An entry's functions and tunables, imported when a plan first needs them."""
+
+  forward: Callable
+  backward: Callable
+  block_sizes_type: type
+  default_block_sizes: Callable[[int, int, Any], Any]
+  backward_block_sizes_type: type
+  default_backward_block_sizes: Callable[[int, int, Any], Any]
+  padded_head_dim: Callable[[int], int]
+  skip_forward: Callable | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+  """A backend in the registry. forward/backward/skip: 'module' or 'module:function' under clis_kernels;
+  a module provides BlockSizes and default_block_sizes (and padded_head_dim, supports, if it needs)."""
+
+  name: str
+  priority: int  # implementation=None: the highest-priority entry that supports the call
+  platforms: tuple[str, ...]  # where it runs compiled; Pallas entries also run interpreted anywhere
+  forward: str
+  backward: str
+  certifies_in_kernel: bool  # takes KeyBounds and certifies each tile itself (Mode.KEYS)
+  interpretable: bool = True  # runs in Pallas interpret mode
+  hopper_only: bool = False
+  window_and_soft_cap: bool = True
+  skip: str | None = None  # the temporal-skipping forward (kernels/diffusion), if it has one
+  automatic: bool = True  # may implementation=None pick it
+  backward_tiles: str | None = None  # module with the backward's BlockSizes (None: the forward's)
+
+  def supports(self, call: Call, platform: Platform, *, automatic: bool = False) -> str | None:
+    """None when this entry can run the call, else why not, phrased to follow its name. automatic:
+    also ask the kernel module's `supports(dtype, head_dim)` (a named entry's kernel raises its own
+    error for inputs it does not take)."""
+    if call.interpret and not self.interpretable:
+      return "has no interpret mode; use implementation='pallas_gpu' with interpret=True to run the GPU kernels " \
+             "on a CPU"
+    if not call.interpret and platform.name not in self.platforms:
+      return (f"needs a {'/'.join(self.platforms).upper()} device but this platform is {platform.name!r}: pass "
+              "interpret=True to run it in Pallas interpret mode, or implementation='reference'")
+    if self.hopper_only and not call.interpret and not platform.hopper:
+      return "needs an NVIDIA Hopper GPU (H100, H200); use implementation='pallas_gpu'"
+    if call.window_or_cap and not self.window_and_soft_cap:
+      return "has no local window or logits soft cap; use 'pallas_gpu' (or implementation=None, which picks it)"
+    if call.skipping and self.skip is None:
+      return "has no temporal-skipping forward (kernels/diffusion); use 'pallas_gpu', 'pallas_tpu' or 'reference'"
+    check = getattr(_module(self.forward), "supports", None)
+    if automatic and check is not None and not check(call.dtype, call.head_dim):
+      return f"does not take dtype {jnp.dtype(call.dtype).name} with head_dim {call.head_dim}"
+    return None
+
+  def load(self) -> Backend:
+    fwd, bwd = _module(self.forward), _module(self.backward_tiles or self.forward)
+    return Backend(_function(self.forward, "forward"), _function(self.backward, "backward"), fwd.BlockSizes,
+                   fwd.default_block_sizes, bwd.BlockSizes, bwd.default_block_sizes,
+                   getattr(fwd, "padded_head_dim", lambda d: d),
+                   None if self.skip is None else _function(self.skip, "forward"))
+
+
+def _module(path: str):
+  return importlib.import_module(f"clis_kernels.{path.partition(':')[0]}")
+
+
+def _function(path: str, default: str):
+  name = path.partition(":")[2] or default
+  return getattr(_module(path), name)
+
+
+REGISTRY: tuple[Entry, ...] = (
+    Entry("pallas_mgpu", 30, ("gpu",), "pallas_mgpu", "pallas_mgpu_vjp", True, interpretable=False,
+          hopper_only=True, window_and_soft_cap=False, backward_tiles="pallas_mgpu_vjp"),
+    Entry("pallas_mgpu_triton_bwd", 25, ("gpu",), "pallas_mgpu", "pallas_gpu_vjp", True, interpretable=False,
+          hopper_only=True, window_and_soft_cap=False, automatic=False, backward_tiles="pallas_gpu"),
+    Entry("pallas_gpu", 20, ("gpu",), "pallas_gpu", "pallas_gpu_vjp", True, skip="diffusion.pallas_gpu_skip"),
+    Entry("pallas_tpu", 20, ("tpu",), "pallas_tpu", "pallas_tpu_vjp", False, skip="diffusion.pallas_tpu_skip"),
+    Entry("reference", 0, ("cpu", "gpu", "tpu"), "reference", "reference", False,
+          skip="reference:forward_with_tiles"),  # pure JAX: interpret=True changes nothing
+)
+ENTRIES = {e.name: e for e in REGISTRY}
+IMPLEMENTATIONS = (*ENTRIES, "xla")
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+  """What the choice of an entry depends on."""
+
+  dtype: Any
+  head_dim: int
+  window_or_cap: bool = False
+  skipping: bool = False
+  interpret: bool = False
+
+
+def choose(implementation: str | None, call: Call, platform: Platform) -> Entry:
+  """The entry that runs `call`: the named one (an error saying why it cannot), or by priority."""
+  if implementation is None:
+    for entry in sorted((e for e in REGISTRY if e.automatic), key=lambda e: -e.priority):
+      if entry.supports(dataclasses.replace(call, interpret=False), platform, automatic=True) is None:
+        return entry
+    return ENTRIES["reference"]
+  if implementation not in ENTRIES:
+    raise ValueError(f"{implementation=} is not one of {IMPLEMENTATIONS} (or None for automatic)")
+  entry = ENTRIES[implementation]
+  reason = entry.supports(call, platform)
+  if reason is not None:
+    raise ValueError(f"{implementation=} {reason}")
+  return entry
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Everything decided before a kernel runs (hashable: the custom_vjp closes over it)."""
+
+  entry: Entry
+  mode: Mode
+  block_sizes: Any  # the forward's
+  backward_block_sizes: Any
+  head_dim: int  # what the kernels run at (the API zero-pads up to it)
+  multiple: int  # sequence lengths are padded to a multiple of this
+  tile: int  # query rows per certificate tile
+  interpret: bool
+
+  @property
+  def backend(self) -> Backend:
+    return self.entry.load()
+
+  def padded(self, length: int) -> int:
+    return -(-length // self.multiple) * self.multiple
+
+
+def mode_of(stabilizer: str, *, bound: str, granularity: str, separate_ids: bool, entry: Entry) -> Mode:
+  """Online; the block bound's pre-pass; the kernel's own certificate (radius bound, per tile,
+  one segment_ids array); else the XLA certificate."""
+  if stabilizer == "online":
+    return Mode.ONLINE
+  if bound == "blocks":
+    return Mode.BLOCKS
+  if granularity == "head" or separate_ids or not entry.certifies_in_kernel:
+    return Mode.CERTIFICATE
+  return Mode.KEYS
+
+
+def make_plan(*, dtype, head_dim: int, seq_len: int, stabilizer: str = "clis", bound: str = "radius",
+              granularity: str = "tile", separate_ids: bool = False, window_or_cap: bool = False,
+              skipping: bool = False, implementation: str | None = None, block_sizes=None,
+              backward_block_sizes=None, interpret: bool = False, platform: Platform | None = None) -> Plan:
+  """The plan for one call. seq_len: the longer of the query and key lengths (tile heuristics)."""
+  platform = Platform.detect() if platform is None else platform
+  call = Call(jnp.dtype(dtype), head_dim, window_or_cap, skipping, interpret)
+  entry = choose(implementation, call, platform)
+  backend = entry.load()
+  padded_head = backend.padded_head_dim(head_dim)
+  if block_sizes is None:
+    block_sizes = backend.default_block_sizes(head_dim, seq_len, dtype)
+  elif not isinstance(block_sizes, backend.block_sizes_type):
+    raise ValueError(f"block_sizes for implementation={entry.name!r} must be "
+                     f"{backend.block_sizes_type.__module__}.BlockSizes; got {type(block_sizes).__name__}")
+  if backward_block_sizes is None:
+    backward_block_sizes = (block_sizes if backend.backward_block_sizes_type is backend.block_sizes_type
+                            else backend.default_backward_block_sizes(head_dim, seq_len, dtype))
+  elif not isinstance(backward_block_sizes, backend.backward_block_sizes_type):
+    raise ValueError(f"backward_block_sizes for implementation={entry.name!r} must be "
+                     f"{backend.backward_block_sizes_type.__module__}.BlockSizes; got "
+                     f"{type(backward_block_sizes).__name__}")
+  mode = mode_of(stabilizer, bound=bound, granularity=granularity, separate_ids=separate_ids, entry=entry)
+  multiple = max(block_sizes.multiple, backward_block_sizes.multiple)
+  return Plan(entry, mode, block_sizes, backward_block_sizes, padded_head, multiple, block_sizes.tile,
+              bool(interpret))
