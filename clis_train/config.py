@@ -32,6 +32,9 @@ ATTENTIONS = {
     "dot_product": "dense XLA attention (any platform; memory grows with seq_len^2)",
 }
 CERTIFYING = ("clis", "clis_mgpu")  # the values that log a certified fraction
+# Inside MaxText (clis_train/integrations/maxtext.py) its own `attention=` flag takes these two
+# values to our kernels (MaxText's other values stay its own): value -> our stabilizer.
+MAXTEXT_ATTENTIONS = {"clis": "clis", "clis_online": "online"}
 
 
 @dataclasses.dataclass(frozen=True)

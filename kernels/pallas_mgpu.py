@@ -12,14 +12,19 @@ kernel; bidirectional packed rows against their segment's centre), or reads the 
   certified: p = 2^(σ₂·q·kᵀ − M) with the row's fixed M; no row max, no rescale of acc and l.
              l sums the weights before they are rounded for P·V, as the online path does: the
              exact sum of the rounded weights (stabilizer.py, "Normalisation"; the Triton kernel's
-             choice) made this kernel 1.34-1.43x slower on the vector units and 1.01-1.32x on the
-             tensor cores (H200, notes/kernels.md round 3); the GPU tests bound its error by 1.25x
-             online's.
+             choice) was measurably slower here (notes/kernels.md, round 3); the GPU tests bound
+             this kernel's error by 1.25x online's.
   otherwise: the online softmax (running max, rescale), also the whole of stabilizer="online".
 Under the causal mask the loop splits into blocks wholly below the diagonal (no mask) and the
 few that straddle it; causal q tiles run last-first so the longest start early.
 Layout: q [B, S, Hq, D], k/v [B, S, Hkv, D] (the API's); lse [B, Hq, S] f32 base 2, as both
 backwards expect (pallas_mgpu_vjp, the default, and pallas_gpu_vjp's Triton one).
+
+The kernel in named parts: `_Config` (static), `_Refs`, `_Scratch` / `_KeysScratch` / `_SegScratch`
+(shared memory and barriers), `_Rows` (one compute warpgroup's runtime values); `_kernel` →
+`_compute_warpgroup` (prologue) → `_certify_here` (`_bound_rows`, `_decide`) or `_read_certificate`
+→ `_attend` (`_step` / `_overlapped_step` per KV block, `_drain`) → `_epilogue`; the memory
+warpgroup runs mgpu_pipeline.stream_kv.
 """
 
 from __future__ import annotations
@@ -83,9 +88,8 @@ class BlockSizes:
 
 
 def default_block_sizes(head_dim: int, seq_len: int, dtype) -> BlockSizes:
-  """One shape for both supported head dims, with the Mosaic GPU backward (H200 sweeps in
-  notes/kernels.md: block_kv 128, 2 slots, ping-pong on were fastest for both loops; the Mosaic
-  backward took causal 8k fwd+bwd from 5.62 to 4.24 ms)."""
+  """One shape for both supported head dims: block_kv 128, 2 slots, ping-pong on were the fastest
+  for both loops in the H200 sweeps (notes/kernels.md; figures in BENCHMARKS.md)."""
   del head_dim, seq_len, dtype
   return BlockSizes()
 

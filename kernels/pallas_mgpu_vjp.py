@@ -285,22 +285,26 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
     def _memory():
       plgpu.set_max_registers(40, action="decrease")
 
-      def load(i, slot):
+      def load(i, slot):  # block i of the stream: head i // per_head of the group, its q rows
         head = kv_head * group + lax.div(i, per_head)
         rows = pl.ds((cta_first + lax.rem(i, per_head)) * ROWS, ROWS)
-        plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_smem.at[slot], q_ready.at[slot])
-        plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, head], do_smem.at[slot], do_ready.at[slot])
-        plgpu.copy_gmem_to_smem(lse_ref.at[batch, head, rows], lse_smem.at[slot], lse_ready.at[slot])
-        plgpu.copy_gmem_to_smem(delta_ref.at[batch, head, rows], delta_smem.at[slot], delta_ready.at[slot])
-        if has_segments:
-          plgpu.copy_gmem_to_smem(qseg_ref.at[batch, rows], qseg_smem.at[slot], qseg_ready.at[slot])
+        for ref, smem, ready, at in ((q_ref, q_smem, q_ready, (batch, rows, head)),
+                                     (do_ref, do_smem, do_ready, (batch, rows, head)),
+                                     (lse_ref, lse_smem, lse_ready, (batch, head, rows)),
+                                     (delta_ref, delta_smem, delta_ready, (batch, head, rows)),
+                                     *(((qseg_ref, qseg_smem, qseg_ready, (batch, rows)),) if has_segments else ())):
+          plgpu.copy_gmem_to_smem(ref.at[at], smem.at[slot], ready.at[slot])
 
       stream_blocks(load, num_blocks=group * per_head, slots=slots, free=(free,))
 
+  pl.run_scoped(body, *_dkv_scratch(dtype, head_dim, slots, has_segments), collective_axes="wg")
+
+
+def _dkv_scratch(dtype, head_dim: int, slots: int, has_segments: bool) -> tuple:
+  """The dK/dV kernel's shared memory and barriers, in the order its body takes them."""
   per_wg = lambda: plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS)
   per_slot = lambda: plgpu.Barrier(num_barriers=slots)
-  pl.run_scoped(
-      body,
+  return (
       plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS, head_dim), dtype, transforms=swizzled()),  # k, then dk
       plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS, head_dim), dtype, transforms=swizzled()),  # v, then dv
       plgpu.SMEM((slots, ROWS, head_dim), dtype, transforms=swizzled()),  # q blocks
@@ -313,7 +317,6 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
       *(() if not has_segments else (
           plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS), jnp.int32), plgpu.SMEM((slots, ROWS), jnp.int32),
           per_wg(), per_slot())),
-      collective_axes="wg",
   )
 
 

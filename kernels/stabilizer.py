@@ -77,10 +77,10 @@ Normalisation. The weights enter P·V rounded to v's dtype. A certified row sums
 rounded weights, so the output is an exact weighted mean of V under slightly perturbed
 weights (the online path gets this for free for its dominant weight, 2^0 = 1, which rounds
 exactly; a fixed stabilizer puts the dominant weight anywhere, and dividing by the unrounded
-sum cost bf16 up to 1.25x the online path's error on short rows). The saved lse uses the
-same sum (gradients stay within 1.1x of the online path's error; notes/kernels.md). The Mosaic
-GPU kernel (pallas_mgpu.py) is the one exception: there the exact sum made it 1.3–1.4× slower,
-so it divides by the unrounded sum as the online path does (error bounded by its tests).
+sum cost bf16 accuracy against the online path on short rows). The saved lse uses the same
+sum (notes/kernels.md has the measured ratios). The Mosaic GPU kernel (pallas_mgpu.py) is the
+one exception: there the exact sum was slower, so it divides by the unrounded sum as the online
+path does (its tests bound the error by 1.25x the online path's).
 
 Certificate. A row passes when U_i − L_i ≤ min(τ·log2 e, h + T), τ being the user's cap in
 natural-log units. A tile (batch, head, q-block) is certified when all its real rows pass

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up .venv if needed, then runs the test suite (CPU; Pallas kernels in interpret mode).
 #   scripts/test.sh            everything (what CI runs)
-#   scripts/test.sh --fast     leaves out tests marked slow (the peer suites' case families)
+#   scripts/test.sh --fast     leaves out tests marked slow (tests/conftest.py lists them): the edit-test loop
 # Other arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -28,7 +28,7 @@ CLIS_VS_ONLINE = 1.25
 
 # q, k, v of a model our trainer trained on real text (scripts/activation_stats.py; tests/data/README.md)
 REAL_SAMPLE = pathlib.Path(__file__).parent / "data" / "real_small_qkv.safetensors"
-REAL_LAYERS = [1, pytest.param(6, marks=pytest.mark.slow), pytest.param(11, marks=pytest.mark.slow)]
+REAL_LAYERS = [1, 6, 11]  # the fast path takes layer 1 (tests/conftest.py)
 
 
 def real_activations(layer: int, seq: int = 256, kv_heads: int = 2):
@@ -246,7 +246,6 @@ class AttentionTests:
       assert ref.rel_err(got[0], want[0]) < TOLERANCE[jnp.float32][0], stabilizer
       assert max(ref.rel_err(g, w) for g, w in zip(got[1:], want[1:])) < TOLERANCE[jnp.float32][1], stabilizer
 
-  @pytest.mark.slow
   @pytest.mark.parametrize("case", PEER_CASES, ids=[c.name for c in PEER_CASES])
   def test_peer_case_families(self, case):
     """Other projects' families against float64, under their own tolerances (peer_cases.py)."""

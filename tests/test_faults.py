@@ -187,7 +187,6 @@ def test_resume_writes_a_restart_record_and_a_finished_run_changes_nothing(tmp_p
 
 
 # ----------------------------------------------------------------------------- kills during checkpoint writes
-@pytest.mark.slow
 def test_kills_during_checkpoint_writes_resume_bit_identically(tmp_path):
   """SIGKILL at a random moment inside 10 checkpoint writes; every resume continues from the last
   complete step, and every loss ever logged equals the uninterrupted run's at that step."""

@@ -13,6 +13,8 @@ from clis_train import checkpoint
 from clis_train.config import load_config
 from clis_train.train import Trainer
 
+pytestmark = pytest.mark.hf
+
 ROOT = pathlib.Path(__file__).parent.parent
 HF_PYTHON = os.environ.get("CLIS_HF_PYTHON", str(ROOT / ".venv-hf" / "bin" / "python"))
 

@@ -17,6 +17,8 @@ from maxtext.common import common_types
 from maxtext.configs import pyconfig
 from maxtext.layers import attention_op
 
+pytestmark = pytest.mark.maxtext
+
 B, S, HQ, HKV, D = 2, 96, 4, 2, 64
 
 

@@ -19,6 +19,7 @@ class TestPallasGpu(AttentionTests):
                                       block_q_dkv=32, block_k_dkv=16, num_warps=4, num_stages=2)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="the compiled Triton kernels need an NVIDIA GPU")
 class TestPallasGpuCompiled(TestPallasGpu):
   """The same tests with the kernels compiled by Triton (on the H200: JAX_PLATFORMS=cuda pytest ...)."""

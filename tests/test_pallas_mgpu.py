@@ -19,7 +19,10 @@ from clis_kernels import attention, pallas_gpu, pallas_mgpu, pallas_mgpu_vjp, pl
 from clis_kernels.plan import HOPPER
 
 ON_GPU = jax.devices()[0].platform == "gpu"
-needs_gpu = pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernels run on an NVIDIA Hopper GPU only")
+def needs_gpu(test):
+  """Marks a test `gpu` and skips it without one."""
+  return pytest.mark.gpu(pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernels run on an NVIDIA Hopper GPU only")(
+      test))
 BACKWARDS = {"mosaic": "pallas_mgpu", "triton": "pallas_mgpu_triton_bwd"}  # the forward with each backward
 
 

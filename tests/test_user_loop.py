@@ -158,6 +158,7 @@ def test_export_copies_the_tokenizer(tmp_path):
   assert config["num_key_value_heads"] == run.dims.n_kv_heads and config["tie_word_embeddings"] is True
 
 
+@pytest.mark.hf
 def test_export_matches_transformers(cpt_run, tmp_path):
   if not pathlib.Path(HF_PYTHON).exists():
     if os.environ.get("CLIS_REQUIRE_HF") == "1":

@@ -9,8 +9,8 @@ or, with MaxText's own entry points untouched, from the command line:
         maxtext/configs/base.yml attention=clis ...
 
 `install()` wraps `maxtext.layers.attention_op.AttentionOp.apply_attention` once: for
-`attention_kernel` "clis" / "clis_online" it calls `clis_kernels.attention` (Triton on
-NVIDIA GPUs, Mosaic on TPUs) and returns what MaxText's flash paths return; every other
+`attention_kernel` "clis" / "clis_online" it calls `clis_kernels.attention` (the platform's
+backend, as clis_kernels/plan.py picks it) and returns what MaxText's flash paths return; every other
 value goes to MaxText's own code unchanged. MaxText's decoder segment ids are passed as
 packed segments (never a dense [B, 1, S, S] mask), its [batch, length, heads, head_dim]
 layout and GQA heads go through as they are, and its query arrives pre-scaled (scale 1,
@@ -31,8 +31,9 @@ from jax.sharding import PartitionSpec as P
 
 from clis_kernels import SegmentIds
 from clis_kernels import attention as clis_attention
+from clis_train.config import MAXTEXT_ATTENTIONS
 
-KERNELS = {"clis": "clis", "clis_online": "online"}  # MaxText attention value -> our stabilizer
+KERNELS = MAXTEXT_ATTENTIONS  # MaxText attention value -> our stabilizer (the vocabulary: clis_train/config.py)
 
 
 def _unsupported(op, key, model_mode, kw) -> str | None:
