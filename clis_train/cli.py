@@ -20,13 +20,9 @@ import pathlib
 import signal
 import sys
 
-from clis_train.errors import ConfigError, Interrupted, UserError
+from clis_train.errors import ConfigError, GracefulStop, Interrupted, UserError
 
 COMMANDS = ("train", "show-config", "generate", "eval", "export")
-
-
-def _raise_interrupt(signum, frame):
-  raise KeyboardInterrupt
 
 
 def _recipes() -> str:
@@ -114,9 +110,11 @@ def main(argv=None) -> int:
     parser.print_help()
     return 2
   debug = args.debug or os.environ.get("CLIS_TRAIN_DEBUG", "") not in ("", "0")
-  signal.signal(signal.SIGTERM, _raise_interrupt)  # preemption stops like Ctrl-C
+  stop = GracefulStop()
+  for signum in (signal.SIGINT, signal.SIGTERM):  # preemption stops like Ctrl-C: at a step boundary
+    signal.signal(signum, stop.handler)
   try:
-    return COMMAND_FUNCTIONS[args.command](args)
+    return COMMAND_FUNCTIONS[args.command](args, stop)
   except (KeyboardInterrupt, Interrupted) as e:
     print(f"clis-train: {e or 'interrupted before training started'}", file=sys.stderr)
     sys.stderr.flush()
@@ -131,11 +129,11 @@ def main(argv=None) -> int:
     return 2 if isinstance(e, (ConfigError, FileExistsError)) else 1
 
 
-def _train(args) -> int:
+def _train(args, stop) -> int:
   from clis_train.config import load_config
   cfg = load_config(args.recipe, args.overrides)
   from clis_train.train import train  # imports JAX: after the config is known to be good
-  records = train(cfg)
+  records = train(cfg, stop=stop)
   last = next((r for r in reversed(records) if "loss" in r), None)
   if last:
     print(f"done: step {last['step']} loss {last['loss']:.4f} tokens/s {last['tokens_per_s']:.0f} "
@@ -143,14 +141,14 @@ def _train(args) -> int:
   return 0
 
 
-def _show_config(args) -> int:
+def _show_config(args, stop) -> int:
   import yaml
   from clis_train.config import load_config, to_dict
   print(yaml.safe_dump(to_dict(load_config(args.recipe, args.overrides)), sort_keys=False), end="")
   return 0
 
 
-def _generate(args) -> int:
+def _generate(args, stop) -> int:
   prompts = list(args.prompt)
   if args.prompts_file:
     path = pathlib.Path(args.prompts_file)
@@ -174,7 +172,7 @@ def _generate(args) -> int:
   return 0
 
 
-def _eval(args) -> int:
+def _eval(args, stop) -> int:
   from clis_train.evaluate import evaluate, examples_for
   from clis_train.runs import load_run
   run = load_run(args.run, step=args.step, overrides=args.overrides, checkpoint_path=args.checkpoint)
@@ -188,7 +186,7 @@ def _eval(args) -> int:
   return 0
 
 
-def _export(args) -> int:
+def _export(args, stop) -> int:
   from clis_train import hf
   from clis_train.runs import load_run
   run = load_run(args.run, step=args.step)

@@ -26,3 +26,20 @@ class TrainingError(UserError, RuntimeError):
 
 class Interrupted(UserError):
   """Ctrl-C or SIGTERM: the run stopped cleanly (the CLI exits 130)."""
+
+
+class GracefulStop:
+  """SIGINT/SIGTERM handling for the CLI. Inside the step loop the first signal only asks the loop to
+  stop at the end of the current step (the step's input state is donated to it, so stopping in the
+  middle could leave nothing whole to save); anywhere else, and on a second signal, it interrupts at
+  once (KeyboardInterrupt)."""
+
+  def __init__(self):
+    self.in_loop = False
+    self.requested = False
+
+  def handler(self, signum, frame):
+    if self.in_loop and not self.requested:
+      self.requested = True
+      return
+    raise KeyboardInterrupt

@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 from clis_train import checkpoint, data, model
 from clis_train.attention import BATCH_AXES, make_attention
 from clis_train.config import CERTIFYING, Config, ConfigError, to_dict
-from clis_train.errors import Interrupted, TrainingError
+from clis_train.errors import GracefulStop, Interrupted, TrainingError
 from clis_train.runlock import RunLock
 
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "TPU v6": 918.0, "TPU v5 lite": 197.0,
@@ -165,7 +165,7 @@ class Trainer:
     return self.model.apply({"params": params}, tokens, positions, segment_ids, mutable=["intermediates"])[0]
 
   # ------------------------------------------------------------------ the loop
-  def run(self, on_step=None) -> list[dict]:
+  def run(self, on_step=None, stop: GracefulStop | None = None) -> list[dict]:
     """Trains to cfg.train.steps; returns the metric records (also appended to metrics.jsonl).
 
     Holds run_dir's lock for the whole run (one trainer per run_dir). on_step(step, metrics) is
@@ -173,7 +173,7 @@ class Trainer:
     """
     lock = RunLock(self.cfg.run_dir) if jax.process_index() == 0 else contextlib.nullcontext()
     with lock:
-      return self._run(pathlib.Path(self.cfg.run_dir), on_step)
+      return self._run(pathlib.Path(self.cfg.run_dir), on_step, stop or GracefulStop())
 
   def _start(self, mngr, batches):
     """(first step, state): restored from the newest intact checkpoint, or initialised."""
@@ -192,7 +192,7 @@ class Trainer:
       state = self.init_state_from(jax.device_put(params, self.param_shardings))
     return 0, state
 
-  def _run(self, run_dir: pathlib.Path, on_step) -> list[dict]:
+  def _run(self, run_dir: pathlib.Path, on_step, stop: GracefulStop) -> list[dict]:
     cfg = self.cfg
     examples = data.build_examples(cfg.data, self.tokenizer)
     batches = data.packed_batches(examples.train, seq_len=cfg.data.seq_len, batch_size=self.global_batch,
@@ -222,6 +222,7 @@ class Trainer:
     tokens_per_step = self.global_batch * cfg.data.seq_len
     t_last, steps_since, bad_in_a_row, done = time.perf_counter(), 0, 0, start
     saved = mngr.latest_step()
+    stop.in_loop = True
     try:
       with open(run_dir / "metrics.jsonl", "a") as log:
         if restart is not None:
@@ -270,11 +271,14 @@ class Trainer:
           progress.update(1)
           if on_step is not None:
             on_step(done, metrics)
+          if stop.requested:  # SIGINT/SIGTERM during the step: stop here, with a whole state
+            raise KeyboardInterrupt
     except KeyboardInterrupt:
       if cfg.train.save_on_interrupt and done != saved:
         saved = self._save(mngr, done, state, batches, saved)
       raise Interrupted(f"interrupted at step {done}; {_kept(saved)}; run the same command to resume") from None
     finally:
+      stop.in_loop = False
       progress.close()
       board.close()
       mngr.wait_until_finished()
@@ -383,5 +387,5 @@ def _progress(cfg, start):
               dynamic_ncols=True)
 
 
-def train(cfg: Config, on_step=None) -> list[dict]:
-  return Trainer(cfg).run(on_step=on_step)
+def train(cfg: Config, on_step=None, stop: GracefulStop | None = None) -> list[dict]:
+  return Trainer(cfg).run(on_step=on_step, stop=stop)

@@ -18,7 +18,7 @@ import pytest
 
 from clis_train import checkpoint
 from clis_train.config import ConfigError, load_config
-from clis_train.errors import TrainingError
+from clis_train.errors import Interrupted, TrainingError
 from clis_train.runlock import RunLock
 from clis_train.train import Trainer
 
@@ -172,6 +172,31 @@ def test_errors_print_one_line_and_ctrl_c_stops_cleanly(tmp_path):
   assert "clis-train: interrupted at step" in err and "run the same command to resume" in err
   step = int(err.split("interrupted at step ")[1].split(";")[0])
   assert checkpoint.manager(str(run), every=1, keep=3).latest_step() == step  # train.save_on_interrupt
+
+
+def test_a_signal_in_the_step_loop_stops_at_the_step_boundary(tmp_path):
+  """The first SIGINT/SIGTERM inside the loop only asks it to stop after the step (the step's input
+  state is donated, so stopping inside it could leave nothing whole to save); outside the loop, or a
+  second signal, interrupts at once."""
+  from clis_train.errors import GracefulStop
+  stop = GracefulStop()
+  with pytest.raises(KeyboardInterrupt):
+    stop.handler(signal.SIGINT, None)  # not in the loop: at once
+  asked = []
+
+  def signal_at_step_3(step, metrics):
+    if step == 3:
+      stop.handler(signal.SIGTERM, None)
+      asked.append(stop.requested)
+
+  with pytest.raises(Interrupted, match="interrupted at step 3; checkpoints up to step 3 are intact"):
+    Trainer(config(tmp_path / "run", "train.steps=8", "checkpoint.every=100", "train.save_on_interrupt=true")).run(
+        on_step=signal_at_step_3, stop=stop)
+  assert asked == [True] and not stop.in_loop
+  assert checkpoint.manager(str(tmp_path / "run"), every=1, keep=3).latest_step() == 3
+  stop.in_loop, stop.requested = True, True
+  with pytest.raises(KeyboardInterrupt):
+    stop.handler(signal.SIGINT, None)  # a second signal: at once
 
 
 def test_resume_writes_a_restart_record_and_a_finished_run_changes_nothing(tmp_path, capsys):
