@@ -54,12 +54,15 @@ def markdown_table(records: list[dict], value: str = "tflops") -> str:
   """One row per (case, pass, impl): median ms, [min, max], the rate, and the ratio to the same
   backend's online baseline (`online_baseline`)."""
   base = {(r["case"], r["pass"], r["impl"]): r["ms"] for r in records if r["impl"] in ("online", "online_mgpu")}
-  lines = [f"| case | pass | impl | ms | [min, max] | {value} | vs online |", "|---|---|---|---|---|---|---|"]
+  certified = any(r.get("certified") is not None for r in records)
+  lines = [f"| case | pass | impl | ms | [min, max] | {value} | vs online |{' certified |' if certified else ''}",
+           f"|---|---|---|---|---|---|---|{'---|' if certified else ''}"]
   for r in records:
     ratio = base.get((r["case"], r["pass"], online_baseline(r["impl"])))
-    rate = r.get(value)
+    rate, cert = r.get(value), r.get("certified")
     lines.append(f"| {r['case']} | {r['pass']} | {r['impl']} | {r['ms']:.3f} | [{r['ms_min']:.3f}, {r['ms_max']:.3f}] "
-                 f"| {'—' if rate is None else f'{rate:.4g}'} | {'—' if ratio is None else f'{ratio / r['ms']:.3f}×'} |")
+                 f"| {'—' if rate is None else f'{rate:.4g}'} | {'—' if ratio is None else f'{ratio / r['ms']:.3f}×'} |"
+                 + ((" — |" if cert is None else f" {cert:.3f} |") if certified else ""))
   return "\n".join(lines) + "\n"
 
 

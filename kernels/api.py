@@ -195,9 +195,11 @@ def _stabilizer_input(plan: plan_lib.Plan, qp, kp, vp, segp, *, causal, scale, t
   if plan.mode is plan_lib.Mode.ONLINE:
     return None
   if plan.mode is plan_lib.Mode.BLOCKS:
+    kernel = plan.row_bounds_kernel(causal=causal, packed=segp is not None, window=window, separate_ids=separate_ids,
+                                    same_length=qp.shape[1] == kp.shape[1])
     return certificate.certify_blocks(qp, kp, vp, segp, causal=causal, scale=scale, tau=tau, granularity=granularity,
                                       block_q=plan.tile, seq_len=seq_len, kv_seq_len=kv_seq_len, window=window,
-                                      separate_ids=separate_ids, softcap=softcap)
+                                      separate_ids=separate_ids, softcap=softcap, row_bounds_kernel=kernel)
   keys = certificate.key_bounds(kp, vp, segp, causal=causal, tau=tau, block_q=plan.tile, seq_len=kv_seq_len,
                                 separate_ids=separate_ids, window=window)
   if plan.mode is plan_lib.Mode.KEYS:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import importlib
 from typing import Any, Callable, NamedTuple
 
@@ -53,6 +54,7 @@ class Backend(NamedTuple):
   default_backward_block_sizes: Callable[[int, int, Any], Any]
   padded_head_dim: Callable[[int], int]
   skip_forward: Callable | None
+  row_bounds: Any  # the block bound's (U, L) kernel module (supports, row_bounds), or None: XLA
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +74,7 @@ class Entry:
   skip: str | None = None  # the temporal-skipping forward (kernels/diffusion), if it has one
   automatic: bool = True  # may implementation=None pick it
   backward_tiles: str | None = None  # module with the backward's BlockSizes (None: the forward's)
+  row_bounds: str | None = None  # module of the block bound's (U, L) kernel (Mode.BLOCKS), None: XLA
 
   def supports(self, call: Call, platform: Platform, *, automatic: bool = False) -> str | None:
     """None when this entry can run the call, else why not, phrased to follow its name. automatic:
@@ -99,7 +102,8 @@ class Entry:
     return Backend(_function(self.forward, "forward"), _function(self.backward, "backward"), fwd.BlockSizes,
                    fwd.default_block_sizes, bwd.BlockSizes, bwd.default_block_sizes,
                    getattr(fwd, "padded_head_dim", lambda d: d),
-                   None if self.skip is None else _function(self.skip, "forward"))
+                   None if self.skip is None else _function(self.skip, "forward"),
+                   None if self.row_bounds is None else _module(self.row_bounds))
 
 
 def _module(path: str):
@@ -113,10 +117,12 @@ def _function(path: str, default: str):
 
 REGISTRY: tuple[Entry, ...] = (
     Entry("pallas_mgpu", 30, ("gpu",), "pallas_mgpu", "pallas_mgpu_vjp", True, interpretable=False,
-          hopper_only=True, window_and_soft_cap=False, backward_tiles="pallas_mgpu_vjp"),
+          hopper_only=True, window_and_soft_cap=False, backward_tiles="pallas_mgpu_vjp", row_bounds="pallas_gpu_bounds"),
     Entry("pallas_mgpu_triton_bwd", 25, ("gpu",), "pallas_mgpu", "pallas_gpu_vjp", True, interpretable=False,
-          hopper_only=True, window_and_soft_cap=False, automatic=False, backward_tiles="pallas_gpu"),
-    Entry("pallas_gpu", 20, ("gpu",), "pallas_gpu", "pallas_gpu_vjp", True, skip="diffusion.pallas_gpu_skip"),
+          hopper_only=True, window_and_soft_cap=False, automatic=False, backward_tiles="pallas_gpu",
+          row_bounds="pallas_gpu_bounds"),
+    Entry("pallas_gpu", 20, ("gpu",), "pallas_gpu", "pallas_gpu_vjp", True, skip="diffusion.pallas_gpu_skip",
+          row_bounds="pallas_gpu_bounds"),
     Entry("pallas_tpu", 20, ("tpu",), "pallas_tpu", "pallas_tpu_vjp", False, skip="diffusion.pallas_tpu_skip"),
     Entry("reference", 0, ("cpu", "gpu", "tpu"), "reference", "reference", False,
           skip="reference:forward_with_tiles"),  # pure JAX: interpret=True changes nothing
@@ -171,6 +177,15 @@ class Plan:
 
   def padded(self, length: int) -> int:
     return -(-length // self.multiple) * self.multiple
+
+  def row_bounds_kernel(self, *, causal: bool, packed: bool, window, separate_ids: bool, same_length: bool):
+    """Mode.BLOCKS: the entry's kernel for the block bound's (U, L) where it takes the call, else None
+    (stabilizer.block_row_bounds in XLA)."""
+    module = self.backend.row_bounds
+    if module is None or not module.supports(causal=causal, packed=packed, window=window, separate_ids=separate_ids,
+                                             same_length=same_length, block_q=self.tile):
+      return None
+    return functools.partial(module.row_bounds, interpret=self.interpret)
 
 
 def mode_of(stabilizer: str, *, bound: str, granularity: str, separate_ids: bool, entry: Entry) -> Mode:

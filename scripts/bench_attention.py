@@ -26,12 +26,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from clis_kernels import api, attention, masks, stabilizer
+from clis_kernels import api, attention, masks, stabilizer, testing
 from clis_kernels import plan as plan_lib
 from clis_bench import benchmarking
 
 
-def _inputs(b, s, hq, hkv, d, packed, seed=0):
+def _inputs(b, s, hq, hkv, d, packed, seed=0, family="gaussian"):
+  """q, k, v, do, segment ids: Gaussian keys with a shared component, or one of clis_kernels.testing's
+  families shaped like a pretrained model's activations (RoPE, sinks, outlier channels)."""
+  if family != "gaussian":
+    q, k, v, do, seg = testing.inputs(family, b, s, hq, hkv, d, seed=seed)
+    return q, k, v, do, (seg if seg is not None or not packed else _inputs(b, s, hq, hkv, d, True, seed)[4])
   kq, kk, kv, kd, kc = jax.random.split(jax.random.PRNGKey(seed), 5)
   q = jax.random.normal(kq, (b, s, hq, d), jnp.bfloat16)
   k = (jax.random.normal(kk, (b, s, hkv, d)) + jax.random.normal(kc, (1, 1, hkv, d))).astype(jnp.bfloat16)
@@ -66,17 +71,25 @@ def _splash(q, k, v, seg, causal):
       qh, kh, vh, ids).transpose(0, 2, 1, 3)
 
 
-def _plan(q, quick, implementation=None):
+def _plan(q, quick, implementation=None, bound="radius"):
   """The plan `attention` makes for these inputs (quick: the Triton kernel, interpreted)."""
-  return plan_lib.make_plan(dtype=q.dtype, head_dim=q.shape[-1], seq_len=q.shape[1],
+  return plan_lib.make_plan(dtype=q.dtype, head_dim=q.shape[-1], seq_len=q.shape[1], bound=bound,
                             implementation="pallas_gpu" if quick else implementation, interpret=quick)
 
 
-def _prepass(q, k, v, seg, causal, quick, implementation=None):
+def _prepass(q, k, v, seg, causal, quick, implementation=None, bound="radius"):
   """The pre-pass of the `clis` call: K/V only where the kernel certifies its tiles (Mode.KEYS),
-  else the whole certificate, at the plan's tile and padding."""
-  plan = _plan(q, quick, implementation)
+  else the whole certificate (the block bound's with the plan's (U, L) kernel), at the plan's tile
+  and padding."""
+  plan = _plan(q, quick, implementation, bound)
   pad = lambda x: api.pad_seq(x, plan.multiple)
+  if plan.mode is plan_lib.Mode.BLOCKS:
+    segp = None if seg is None else pad(seg)
+    kernel = plan.row_bounds_kernel(causal=causal, packed=seg is not None, window=None, separate_ids=False,
+                                    same_length=True)
+    return stabilizer.certify_blocks(pad(q), pad(k), pad(v), segp, causal=causal, scale=q.shape[-1] ** -0.5, tau=64.0,
+                                     granularity="tile", block_q=plan.tile, seq_len=q.shape[1],
+                                     row_bounds_kernel=kernel)
   if plan.mode is plan_lib.Mode.KEYS:
     return stabilizer.key_bounds(pad(k), pad(v), None if seg is None else pad(seg), causal=causal, tau=64.0,
                                  block_q=plan.tile, seq_len=k.shape[1])
@@ -101,17 +114,30 @@ def _clis_kernel(q, k, v, seg, causal, quick):
   return lambda: run(qp, kp, vp, segp, keys)
 
 
+CERTIFYING = {"clis": {}, "clis_blocks": dict(bound="blocks"), "clis_mgpu": dict(implementation="pallas_mgpu"),
+              "clis_triton": dict(implementation="pallas_gpu")}
+
+
+def _certified_fraction(q, k, v, seg, causal, name, quick):
+  """The fraction of tiles a certifying variant ran certified on these inputs."""
+  kw = dict(CERTIFYING[name], **(dict(implementation="pallas_gpu", interpret=True) if quick else {}))
+  _, stats = jax.jit(lambda q, k, v, seg: attention(q, k, v, seg, causal=causal, return_stats=True, **kw))(q, k, v, seg)
+  return float(stats.certified_fraction)
+
+
 def implementations(names, platform, quick):
   """{name: f(q, k, v, seg, causal)} for the names this platform can run, and notes on the rest."""
   ours = dict(implementation="pallas_gpu", interpret=True) if quick else {}
   table = {
       "clis": lambda q, k, v, seg, causal: attention(q, k, v, seg, causal=causal, stabilizer="clis", **ours),
       "online": lambda q, k, v, seg, causal: attention(q, k, v, seg, causal=causal, stabilizer="online", **ours),
+      "clis_blocks": lambda q, k, v, seg, causal: attention(q, k, v, seg, causal=causal, bound="blocks", **ours),
       "xla": lambda q, k, v, seg, causal: attention(q, k, v, seg, causal=causal, implementation="xla"),
       "cudnn": lambda q, k, v, seg, causal: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
                                                                          implementation="cudnn"),
   }
   table["clis_prepass"] = functools.partial(_prepass, quick=quick)
+  table["clis_blocks_prepass"] = functools.partial(_prepass, quick=quick, bound="blocks")
   if quick or platform == "gpu":
     table["clis_kernel"] = functools.partial(_clis_kernel, quick=quick)
   if platform == "gpu":  # clis / online above are the default (Mosaic GPU on Hopper); these name the kernels
@@ -151,18 +177,27 @@ def implementations(names, platform, quick):
 
 def cases(args):
   if args.quick:
-    return [dict(case="quick_causal", b=1, s=128, hq=4, hkv=2, d=64, causal=True, packed=False),
-            dict(case="quick_causal_packed", b=1, s=128, hq=4, hkv=2, d=64, causal=True, packed=True)]
+    return [dict(case="quick_causal", b=1, s=128, hq=4, hkv=2, d=64, causal=True, packed=False, inputs="gaussian"),
+            dict(case="quick_causal_packed", b=1, s=128, hq=4, hkv=2, d=64, causal=True, packed=True,
+                 inputs="gaussian"),
+            dict(case="quick_bidir_outlier_channels", b=1, s=128, hq=4, hkv=2, d=64, causal=False, packed=False,
+                 inputs="outlier_channels")]
   out = []
+  both = {"no": [False], "yes": [True], "both": [False, True]}
+  batch = lambda s: max(1, args.tokens // s) if args.tokens else args.batch
   if args.suite in ("llm", "all"):
-    for s in args.seq_lens:
-      for packed in {"no": [False], "yes": [True], "both": [False, True]}[args.packed]:
-        out.append(dict(case=f"llm_causal{'_packed' if packed else ''}_S{s}", b=args.batch, s=s, hq=32, hkv=8, d=128,
-                        causal=True, packed=packed))
+    for family in args.inputs:
+      for s in args.seq_lens:
+        for causal in both[args.causal]:
+          for packed in both[args.packed]:
+            name = f"llm_{'causal' if causal else 'bidir'}{'_packed' if packed else ''}_S{s}"
+            out.append(dict(case=name if family == "gaussian" else f"{name}_{family}", b=batch(s), s=s, hq=32, hkv=8,
+                            d=128, causal=causal, packed=packed, inputs=family))
   if args.suite in ("dit", "all"):
     for h in args.dit_heads:
       for s in args.dit_seq_lens:
-        out.append(dict(case=f"dit_bidir_H{h}_S{s}", b=args.batch, s=s, hq=h, hkv=h, d=128, causal=False, packed=False))
+        out.append(dict(case=f"dit_bidir_H{h}_S{s}", b=batch(s), s=s, hq=h, hkv=h, d=128, causal=False, packed=False,
+                        inputs="gaussian"))
   return out
 
 
@@ -174,12 +209,15 @@ def main():
   parser.add_argument("--dit-heads", type=int, nargs="+", default=[12, 40])
   parser.add_argument("--dit-seq-lens", type=int, nargs="+", default=[16384, 32768, 75600])
   parser.add_argument("--batch", type=int, default=1)
+  parser.add_argument("--tokens", type=int, default=0, help="batch = tokens // S (B x S fixed), instead of --batch")
+  parser.add_argument("--causal", choices=["no", "yes", "both"], default="yes", help="llm suite: causal, bidirectional")
+  parser.add_argument("--inputs", nargs="+", default=["gaussian"], choices=["gaussian", *testing.FAMILIES],
+                      help="llm suite: Gaussian, or clis_kernels.testing's pretrained-like families")
   parser.add_argument("--passes", nargs="+", default=["fwd", "fwd_bwd"], choices=["fwd", "fwd_bwd"])
   parser.add_argument("--impls", nargs="+",
-                      default=["clis", "clis_prepass", "clis_kernel", "online", "clis_mgpu", "clis_mgpu_prepass",
-                               "online_mgpu", "cudnn", "xla", "tokamax_mosaic",
-                               "tokamax_triton",
-                               "splash"])
+                      default=["clis", "clis_prepass", "clis_kernel", "online", "clis_blocks", "clis_blocks_prepass",
+                               "clis_mgpu", "clis_mgpu_prepass", "online_mgpu", "cudnn", "xla", "tokamax_mosaic",
+                               "tokamax_triton", "splash"])
   parser.add_argument("--xla-max-gb", type=float, default=16.0, help="skip dense XLA when its logits exceed this")
   parser.add_argument("--repeats", type=int, default=25)
   parser.add_argument("--inner", type=int, default=10)
@@ -188,6 +226,7 @@ def main():
   args = parser.parse_args()
   if args.quick:
     args.repeats, args.inner, args.impls = min(args.repeats, 3), 1, ["clis", "clis_prepass", "clis_kernel", "online",
+                                                                      "clis_blocks", "clis_blocks_prepass",
                                                                       "xla", "cudnn"]
   platform = jax.devices()[0].platform
   fns, notes = implementations(args.impls, platform, args.quick)
@@ -196,7 +235,7 @@ def main():
   meta = benchmarking.device_meta()
   records = []
   for c in cases(args):
-    q, k, v, do, seg = _inputs(c["b"], c["s"], c["hq"], c["hkv"], c["d"], c["packed"])
+    q, k, v, do, seg = _inputs(c["b"], c["s"], c["hq"], c["hkv"], c["d"], c["packed"], family=c["inputs"])
     variants = {}
     for name, f in fns.items():
       if name == "xla" and c["b"] * c["hq"] * c["s"] ** 2 * 4 / 2**30 > args.xla_max_gb:
@@ -222,6 +261,8 @@ def main():
       except Exception as e:  # noqa: BLE001 — third-party kernels fail in many ways
         print(f"{c['case']} {key[0]} {key[1]} skipped: {type(e).__name__}: {str(e)[:300]}")
         del variants[key]
+    certified = {name: _certified_fraction(q, k, v, seg, c["causal"], name, args.quick)
+                 for name, _ in variants if name in CERTIFYING}
     timings = benchmarking.interleaved_medians({f"{n}|{p}": fn for (n, p), fn in variants.items()},
                                                repeats=args.repeats, inner=args.inner)
     flops = 4 * c["b"] * c["hq"] * c["s"] ** 2 * c["d"] * (0.5 if c["causal"] else 1.0)
@@ -230,7 +271,8 @@ def main():
       work = flops * (3.5 if pass_ == "fwd_bwd" else 1.0)
       records.append(dict(case=c["case"], impl=name, **{"pass": pass_}, ms=med, ms_min=lo, ms_max=hi,
                           tflops=None if name.endswith("prepass") else work / med / 1e9, B=c["b"], S=c["s"], Hq=c["hq"], Hkv=c["hkv"], D=c["d"],
-                          causal=c["causal"], packed=c["packed"], repeat=args.repeats, inner=args.inner, **meta))
+                          causal=c["causal"], packed=c["packed"], inputs=c["inputs"],
+                          certified=certified.get(name), repeat=args.repeats, inner=args.inner, **meta))
   out = args.out or benchmarking.default_output(f"attention_{'quick' if args.quick else args.suite}")
   benchmarking.write_report(records, out)
   print(benchmarking.markdown_table(records))

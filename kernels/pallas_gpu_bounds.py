@@ -1,0 +1,150 @@
+"""The block bound's per-row (U, L) as a Pallas Triton kernel (NVIDIA GPUs): `stabilizer.block_row_bounds`
+without its [rows, num_blocks] intermediate in memory.
+
+Grid (q tile, batch, q head); each program owns one [block_q, D] query tile and
+  * walks the key-block centres it may see in chunks of CENTRES: U = max σ₂(q·ĉ_u + ‖q‖ r̂_u) (one
+    small matmul per chunk on the tensor cores, so its cost is ~block/16 of the attention's QKᵀ);
+  * scores the exceptional keys exactly (one [block_q, E] matmul): into U and L where visible;
+  * scores its own diagonal tile of keys exactly for L (and the mean key, bidirectional).
+The centres enter the matmul rounded to q's dtype (ĉ); the radii it gets are widened by
+‖c − ĉ‖ (triangle inequality) and by 2^-16‖ĉ‖ (f32 accumulation over D ≤ 256 products), so U stays an
+upper bound of the exact logits. The same statement of the bound as stabilizer.py; `supports` names the
+calls it takes (local windows, bidirectional packed rows and separate q/kv ids stay in XLA).
+Layout: q/k [B, S, H, D]; centres [B, nb, Hkv, D]; radii [B, Hkv, nb]; out U, L [B, Hq, S] base 2.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from clis_kernels import masks
+from clis_kernels.common import dot_precision, out_struct
+from clis_kernels.stabilizer import LOG2E, NEG, BlockBounds
+
+CENTRES = 64  # key-block centres per matmul in the upper bound's loop
+ACCUMULATION = 2.0 ** -16  # relative error of an f32-accumulated dot over D <= 256 products
+
+
+def supports(*, causal: bool, packed: bool, window, separate_ids: bool, same_length: bool, block_q: int) -> bool:
+  """Whether the kernel takes this call: causal (packed or not) or bidirectional unpacked, equal q/k
+  lengths (the own tile), no local window, a power-of-two tile of at least 16 rows (Triton's dots)."""
+  tile_ok = block_q >= 16 and not block_q & (block_q - 1)
+  return window is None and not separate_ids and same_length and tile_ok and (causal or not packed)
+
+
+def _kernel(*refs, causal: bool, has_segments: bool, sigma2: float, block_q: int, block: int, kv_len: int,
+            num_blocks: int, num_q_blocks: int, precision):
+  q_ref, k_ref, centres_ref, radii_ref, ke_ref, epos_ref, eok_ref = refs[:7]
+  rest = refs[7:]
+  if has_segments:
+    qseg_ref, kseg_ref, eseg_ref, *rest = rest
+  mean_ref = None if causal else rest[0]
+  upper_ref, lower_ref = rest[-2:]
+  q_block = num_q_blocks - 1 - pl.program_id(0) if causal else pl.program_id(0)
+  q = q_ref[...]
+  qf = q.astype(jnp.float32)
+  q_norm = jnp.sqrt((qf * qf).sum(axis=1))
+  rows = q_block * block_q + jnp.arange(block_q)
+  q_seg = qseg_ref[...] if has_segments else None
+
+  def centres_step(c, upper):
+    u = c * CENTRES + jnp.arange(CENTRES)
+    s = plgpu.dot(q, centres_ref[pl.ds(c * CENTRES, CENTRES), :], trans_b=True, precision=precision)
+    s = s + q_norm[:, None] * radii_ref[pl.ds(c * CENTRES, CENTRES)][None, :]
+    sees = u[None, :] < num_blocks
+    if causal:
+      sees = sees & (u[None, :] * block <= rows[:, None])
+    return jnp.maximum(upper, jnp.where(sees, s, NEG).max(axis=1))
+
+  last_row = (q_block + 1) * block_q - 1
+  num_chunks = (last_row // block) // CENTRES + 1 if causal else pl.cdiv(num_blocks, CENTRES)
+  upper = lax.fori_loop(0, num_chunks, centres_step, jnp.full((block_q,), NEG, jnp.float32))
+
+  positions = epos_ref[...]
+  s_e = plgpu.dot(q, ke_ref[...], trans_b=True, precision=precision)
+  seen = masks.visible(rows, positions, q_seg, eseg_ref[...] if has_segments else None, causal=causal, kv_len=None)
+  seen = eok_ref[...][None, :] != 0 if seen is None else seen & (eok_ref[...][None, :] != 0)
+  exact = jnp.where(seen, s_e, NEG).max(axis=1)
+
+  own_keys = pl.ds(q_block * block_q, block_q)
+  s_own = plgpu.dot(q, k_ref[own_keys, :], trans_b=True, precision=precision)
+  ok = masks.visible(rows, q_block * block_q + jnp.arange(block_q), q_seg, kseg_ref[own_keys] if has_segments else None,
+                     causal=causal, kv_len=None if causal else kv_len)
+  lower = (s_own if ok is None else jnp.where(ok, s_own, NEG)).max(axis=1)
+  if mean_ref is not None:
+    lower = jnp.maximum(lower, (qf * mean_ref[...][None, :]).sum(axis=1))
+  upper_ref[...] = jnp.maximum(upper, exact) * sigma2
+  lower_ref[...] = jnp.maximum(lower, exact) * sigma2
+
+
+def row_bounds(q, k, segment_ids, bounds: BlockBounds, *, causal: bool, scale: float, block: int, kv_len: int,
+               block_q: int, interpret: bool = False):
+  """Base-2 (U, L) [B, Hq, Sq] f32, as stabilizer.block_row_bounds (own_block = block_q) computes them.
+
+  q [B, S, Hq, D], k [B, S, Hkv, D] (S a multiple of block_q and of `block`); segment_ids: SegmentIds
+  with q ids equal to kv ids, or None; kv_len: the real key count (bidirectional rows see no key past it).
+  """
+  q, k = lax.stop_gradient((q, k))
+  batch, seq, num_heads, head_dim = q.shape
+  hkv = k.shape[2]
+  group = num_heads // hkv
+  nq, nb = seq // block_q, bounds.centres.shape[1]
+  padded_nb = pl.cdiv(nb, CENTRES) * CENTRES
+  rounded = bounds.centres.astype(q.dtype)
+  widen = (jnp.linalg.norm(bounds.centres - rounded.astype(jnp.float32), axis=-1)
+           + ACCUMULATION * jnp.linalg.norm(rounded.astype(jnp.float32), axis=-1))  # [B, nb, Hkv]
+  radii = bounds.radii + widen.transpose(0, 2, 1)
+  centres = jnp.pad(rounded, ((0, 0), (0, padded_nb - nb), (0, 0), (0, 0)))
+  radii = jnp.pad(radii, ((0, 0), (0, 0), (0, padded_nb - nb)))
+  positions = bounds.exceptional  # [B, Hkv, E]
+  k_e = jnp.take_along_axis(k, positions.transpose(0, 2, 1)[..., None], axis=1)  # [B, E, Hkv, D]
+  num_e = max(16, 1 << (positions.shape[-1] - 1).bit_length())  # Triton dots: a power of two >= 16
+  pad_e = num_e - positions.shape[-1]
+  k_e = jnp.pad(k_e, ((0, 0), (0, pad_e), (0, 0), (0, 0)))
+  positions = jnp.pad(positions, ((0, 0), (0, 0), (0, pad_e)))
+  ok_e = jnp.pad(bounds.is_exceptional, ((0, 0), (0, 0), (0, pad_e))).astype(jnp.int32)
+
+  # Grid (q tile, batch, q head); causal tiles run last-first so the longest start early.
+  qmap = (lambda i, b, h: (b, nq - 1 - i, h, 0)) if causal else (lambda i, b, h: (b, i, h, 0))
+  rowmap = (lambda i, b, h: (b, h, nq - 1 - i)) if causal else (lambda i, b, h: (b, h, i))
+  kv_head = lambda i, b, h: (b, 0, h // group, 0)
+  per_kv_head = lambda i, b, h: (b, h // group, 0)
+  in_specs = [pl.BlockSpec((None, block_q, None, head_dim), qmap),
+              pl.BlockSpec((None, seq, None, head_dim), kv_head),
+              pl.BlockSpec((None, padded_nb, None, head_dim), kv_head),
+              pl.BlockSpec((None, None, padded_nb), per_kv_head),
+              pl.BlockSpec((None, num_e, None, head_dim), kv_head),
+              pl.BlockSpec((None, None, num_e), per_kv_head),
+              pl.BlockSpec((None, None, num_e), per_kv_head)]
+  args = [q, k, centres, radii, k_e, positions, ok_e]
+  if segment_ids is not None:
+    seg_e = jnp.take_along_axis(segment_ids.kv[:, None, :], bounds.exceptional, axis=2)
+    in_specs += [pl.BlockSpec((None, block_q), lambda i, b, h: qmap(i, b, h)[:2]),
+                 pl.BlockSpec((None, seq), lambda i, b, h: (b, 0)),
+                 pl.BlockSpec((None, None, num_e), per_kv_head)]
+    args += [segment_ids.q, segment_ids.kv, jnp.pad(seg_e, ((0, 0), (0, 0), (0, pad_e)))]
+  if not causal:  # the mean of the real keys: max >= mean
+    real = (jnp.arange(seq) < kv_len)[None, :, None, None]
+    mean = jnp.where(real, k.astype(jnp.float32), 0.0).sum(1) / max(kv_len, 1)  # [B, Hkv, D]
+    in_specs.append(pl.BlockSpec((None, None, head_dim), lambda i, b, h: (b, h // group, 0)))
+    args.append(mean)
+  kernel = functools.partial(_kernel, causal=causal, has_segments=segment_ids is not None, sigma2=scale * LOG2E,
+                             block_q=block_q, block=block, kv_len=kv_len, num_blocks=nb, num_q_blocks=nq,
+                             precision=dot_precision(q.dtype))
+  row_struct = out_struct((batch, num_heads, seq), jnp.float32, q)
+  return pl.pallas_call(
+      kernel,
+      grid=(nq, batch, num_heads),
+      in_specs=in_specs,
+      out_specs=[pl.BlockSpec((None, None, block_q), rowmap)] * 2,
+      out_shape=[row_struct, row_struct],
+      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+      interpret=interpret,
+      name="clis_block_bounds",
+  )(*args)

@@ -1,0 +1,110 @@
+"""The block bound's (U, L) kernel (pallas_gpu_bounds, Pallas interpret mode on the CPU) against its XLA
+statement (stabilizer.block_row_bounds) and against the exact row max in float64."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from clis_kernels import api, pallas_gpu_bounds, plan, stabilizer, testing
+from clis_kernels import reference_f64 as ref
+from clis_kernels.masks import segment_ids_of
+
+BLOCK_Q, KEY_BLOCK = 32, 16
+
+
+def exact_row_max(q, k, seg, causal, scale, kv_len):
+  """[B, Hq, S] float64 base-2 max logit over the visible keys (−inf where none)."""
+  q, k = np.asarray(q, np.float64), np.asarray(k, np.float64)
+  group = q.shape[2] // k.shape[2]
+  s = np.einsum("bihd,bjhd->bhij", q, np.repeat(k, group, axis=2)) * scale * stabilizer.LOG2E
+  i, j = np.arange(q.shape[1])[:, None], np.arange(k.shape[1])[None, :]
+  ok = np.broadcast_to(j < kv_len, s.shape[2:])
+  ok = ok & (j <= i) if causal else ok
+  ok = ok[None, None]
+  if seg is not None:
+    ids = np.asarray(seg)
+    ok = ok & (ids[:, None, :, None] == ids[:, None, None, :]) & (ids[:, None, None, :] != 0)
+  return np.where(ok, s, -np.inf).max(-1)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("family,causal", [("sink0", True), ("sinks_many", True), ("packed_sinks", True),
+                                           ("outlier_channels", False), ("sinks_many", False)])
+def test_kernel_bounds_match_xla_and_hold(family, causal, dtype):
+  q, k, _, _, seg = testing.inputs(family, 2, 128, 4, 2, 64, dtype=dtype)
+  kv_len = 128 if causal else 120  # bidirectional: the last keys are block padding
+  seg = segment_ids_of(seg)
+  scale = 1 / math.sqrt(64)
+  bounds = stabilizer.block_bounds(k, seg, block=KEY_BLOCK, seq_len=kv_len, budget=8)
+  kw = dict(causal=causal, scale=scale, block=KEY_BLOCK, kv_len=kv_len)
+  upper, lower = pallas_gpu_bounds.row_bounds(q, k, seg, bounds, block_q=BLOCK_Q, interpret=True, **kw)
+  ref_upper, ref_lower = stabilizer.block_row_bounds(q, k, seg, bounds, own_block=BLOCK_Q, **kw)
+  row_max = exact_row_max(q, k, None if seg is None else seg.q, causal, scale, kv_len)
+  seen = np.isfinite(row_max)
+  upper, lower = np.asarray(upper, np.float64), np.asarray(lower, np.float64)
+  slack = 1e-5 * (1 + np.abs(row_max[seen]))
+  assert np.all(upper[seen] >= row_max[seen] - slack), "kernel upper bound below the true max"
+  assert np.all(lower[seen] <= row_max[seen] + slack), "kernel lower bound above the true max"
+  # The same bound as the XLA statement: U widened only by the centres' rounding to q's dtype.
+  width = np.abs(np.asarray(ref_upper))[seen] * (2.0 ** -7 if dtype == jnp.bfloat16 else 1e-5) + 1e-3
+  np.testing.assert_array_less(np.asarray(ref_upper)[seen] - 1e-3, upper[seen])
+  np.testing.assert_array_less(upper[seen], np.asarray(ref_upper)[seen] + width + 0.5)
+  np.testing.assert_allclose(lower[seen], np.asarray(ref_lower)[seen], rtol=1e-5, atol=1e-3)
+
+
+def test_plan_takes_the_kernel_only_for_calls_it_supports():
+  p = plan.make_plan(dtype=jnp.bfloat16, head_dim=64, seq_len=256, bound="blocks", implementation="pallas_gpu",
+                     interpret=True)
+  args = dict(packed=False, window=None, separate_ids=False, same_length=True)
+  assert p.row_bounds_kernel(causal=True, **args) is not None
+  assert p.row_bounds_kernel(causal=False, **args) is not None
+  assert p.row_bounds_kernel(causal=False, **{**args, "packed": True}) is None  # segment means: XLA
+  assert p.row_bounds_kernel(causal=True, **{**args, "window": (8, 0)}) is None
+  assert p.row_bounds_kernel(causal=False, **{**args, "separate_ids": True}) is None
+  assert p.row_bounds_kernel(causal=True, **{**args, "same_length": False}) is None
+  ref = plan.make_plan(dtype=jnp.bfloat16, head_dim=64, seq_len=256, bound="blocks", implementation="reference")
+  assert ref.row_bounds_kernel(causal=True, **args) is None
+
+
+@pytest.mark.parametrize("causal,family", [(True, "packed_sinks"), (False, "sink0")])
+def test_attention_with_the_kernel_bound_is_exact_and_certifies(causal, family):
+  q, k, v, do, seg = testing.inputs(family, 1, 256, 4, 2, 64, dtype=jnp.bfloat16)
+  kw = dict(causal=causal, implementation="pallas_gpu", interpret=True)
+  run = lambda stab: jax.vjp(lambda a, b, c: api.attention(a, b, c, seg, stabilizer=stab, bound="blocks", **kw),
+                             q, k, v)
+  out, pullback = run("clis")
+  online, online_pullback = run("online")
+  _, stats = api.attention(q, k, v, seg, bound="blocks", return_stats=True, **kw)
+  want, *want_grads = ref.attention(q, k, v, do, seg, causal=causal)
+  assert float(stats.certified_fraction) >= 0.95
+  assert ref.max_abs_err(out, want) <= 1.25 * ref.max_abs_err(online, want)
+  for got, base, exact in zip(pullback(do), online_pullback(do), want_grads):
+    assert ref.max_abs_err(got, exact) <= 1.25 * ref.max_abs_err(base, exact)
+
+
+ON_GPU = jax.devices()[0].platform == "gpu"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="the compiled Triton kernel needs an NVIDIA GPU")
+@pytest.mark.parametrize("causal,family", [(True, "sinks_many"), (True, "packed_sinks"), (False, "outlier_channels")])
+def test_compiled_kernel_matches_xla_on_gpu(causal, family):
+  q, k, _, _, seg = testing.inputs(family, 2, 2048, 16, 4, 128, dtype=jnp.bfloat16)
+  seg = segment_ids_of(seg)
+  scale = 1 / math.sqrt(128)
+  bounds = stabilizer.block_bounds(k, seg, block=KEY_BLOCK, seq_len=2048)
+  kw = dict(causal=causal, scale=scale, block=KEY_BLOCK, kv_len=2048)
+  upper, lower = jax.jit(lambda q, k: pallas_gpu_bounds.row_bounds(q, k, seg, bounds, block_q=64, **kw))(q, k)
+  ref_upper, ref_lower = stabilizer.block_row_bounds(q, k, seg, bounds, own_block=64, **kw)
+  row_max = exact_row_max(q, k, None if seg is None else seg.q, causal, scale, 2048)
+  seen = np.isfinite(row_max)
+  upper, lower = np.asarray(upper, np.float64)[seen], np.asarray(lower, np.float64)[seen]
+  assert np.all(upper >= row_max[seen] - 1e-5 * (1 + np.abs(row_max[seen])))
+  assert np.all(lower <= row_max[seen] + 1e-3)
+  np.testing.assert_array_less(np.asarray(ref_upper)[seen] - 1e-3, upper)
+  np.testing.assert_allclose(lower, np.asarray(ref_lower)[seen], rtol=1e-4, atol=1e-2)
