@@ -2,7 +2,7 @@
 without its [rows, num_blocks] intermediate in memory.
 
 Grid (q tile, batch, q head); each program owns one [block_q, D] query tile and
-  * walks the key-block centres it may see in chunks of CENTRES: U = max σ₂(q·ĉ_u + ‖q‖ r̂_u) (one
+  * walks the key-block centres it may see in chunks of `centres`: U = max σ₂(q·ĉ_u + ‖q‖ r̂_u) (one
     small matmul per chunk on the tensor cores, so its cost is ~block/16 of the attention's QKᵀ);
   * scores the exceptional keys exactly (one [block_q, E] matmul): into U and L where visible;
   * scores its own diagonal tile of keys exactly for L (and the mean key, bidirectional).
@@ -15,6 +15,7 @@ Layout: q/k [B, S, H, D]; centres [B, nb, Hkv, D]; radii [B, Hkv, nb]; out U, L 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -27,19 +28,37 @@ from clis_kernels import masks
 from clis_kernels.common import dot_precision, out_struct
 from clis_kernels.stabilizer import LOG2E, NEG, BlockBounds
 
-CENTRES = 64  # key-block centres per matmul in the upper bound's loop
 ACCUMULATION = 2.0 ** -16  # relative error of an f32-accumulated dot over D <= 256 products
 
 
-def supports(*, causal: bool, packed: bool, window, separate_ids: bool, same_length: bool, block_q: int) -> bool:
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """rows: query rows per program, also the own tile of keys scored for L; centres: key-block centres
+  per matmul of the upper bound's loop; num_warps, num_stages: Triton's launch."""
+
+  rows: int = 64
+  centres: int = 64
+  num_warps: int = 4
+  num_stages: int = 2
+
+  def __post_init__(self):
+    for name in ("rows", "centres"):
+      value = getattr(self, name)
+      if value < 16 or value & (value - 1):
+        raise ValueError(f"{name}={value} must be a power of two >= 16 (Triton's dots)")
+    if self.num_warps not in (1, 2, 4, 8, 16):
+      raise ValueError(f"num_warps={self.num_warps} must be one of 1, 2, 4, 8, 16")
+
+
+def supports(*, causal: bool, packed: bool, window, separate_ids: bool, same_length: bool, multiple: int) -> bool:
   """Whether the kernel takes this call: causal (packed or not) or bidirectional unpacked, equal q/k
-  lengths (the own tile), no local window, a power-of-two tile of at least 16 rows (Triton's dots)."""
-  tile_ok = block_q >= 16 and not block_q & (block_q - 1)
-  return window is None and not separate_ids and same_length and tile_ok and (causal or not packed)
+  lengths (the own tile), no local window, lengths padded to a multiple of the default rows."""
+  return window is None and not separate_ids and same_length and multiple % BlockSizes().rows == 0 and (
+      causal or not packed)
 
 
-def _kernel(*refs, causal: bool, has_segments: bool, sigma2: float, block_q: int, block: int, kv_len: int,
-            num_blocks: int, num_q_blocks: int, precision):
+def _kernel(*refs, causal: bool, has_segments: bool, sigma2: float, block_q: int, centres: int, block: int,
+            kv_len: int, num_blocks: int, num_q_blocks: int, precision):
   q_ref, k_ref, centres_ref, radii_ref, ke_ref, epos_ref, eok_ref = refs[:7]
   rest = refs[7:]
   if has_segments:
@@ -54,16 +73,16 @@ def _kernel(*refs, causal: bool, has_segments: bool, sigma2: float, block_q: int
   q_seg = qseg_ref[...] if has_segments else None
 
   def centres_step(c, upper):
-    u = c * CENTRES + jnp.arange(CENTRES)
-    s = plgpu.dot(q, centres_ref[pl.ds(c * CENTRES, CENTRES), :], trans_b=True, precision=precision)
-    s = s + q_norm[:, None] * radii_ref[pl.ds(c * CENTRES, CENTRES)][None, :]
+    u = c * centres + jnp.arange(centres)
+    s = plgpu.dot(q, centres_ref[pl.ds(c * centres, centres), :], trans_b=True, precision=precision)
+    s = s + q_norm[:, None] * radii_ref[pl.ds(c * centres, centres)][None, :]
     sees = u[None, :] < num_blocks
     if causal:
       sees = sees & (u[None, :] * block <= rows[:, None])
     return jnp.maximum(upper, jnp.where(sees, s, NEG).max(axis=1))
 
   last_row = (q_block + 1) * block_q - 1
-  num_chunks = (last_row // block) // CENTRES + 1 if causal else pl.cdiv(num_blocks, CENTRES)
+  num_chunks = (last_row // block) // centres + 1 if causal else pl.cdiv(num_blocks, centres)
   upper = lax.fori_loop(0, num_chunks, centres_step, jnp.full((block_q,), NEG, jnp.float32))
 
   positions = epos_ref[...]
@@ -84,18 +103,21 @@ def _kernel(*refs, causal: bool, has_segments: bool, sigma2: float, block_q: int
 
 
 def row_bounds(q, k, segment_ids, bounds: BlockBounds, *, causal: bool, scale: float, block: int, kv_len: int,
-               block_q: int, interpret: bool = False):
-  """Base-2 (U, L) [B, Hq, Sq] f32, as stabilizer.block_row_bounds (own_block = block_q) computes them.
+               block_sizes: BlockSizes = BlockSizes(), interpret: bool = False):
+  """Base-2 (U, L) [B, Hq, Sq] f32, as stabilizer.block_row_bounds (own_block = block_sizes.rows) computes them.
 
-  q [B, S, Hq, D], k [B, S, Hkv, D] (S a multiple of block_q and of `block`); segment_ids: SegmentIds
+  q [B, S, Hq, D], k [B, S, Hkv, D] (S a multiple of the rows and of `block`); segment_ids: SegmentIds
   with q ids equal to kv ids, or None; kv_len: the real key count (bidirectional rows see no key past it).
   """
+  block_q, chunk = block_sizes.rows, block_sizes.centres
+  if q.shape[1] % block_q:
+    raise ValueError(f"{block_sizes.rows=} must divide the padded sequence length {q.shape[1]}")
   q, k = lax.stop_gradient((q, k))
   batch, seq, num_heads, head_dim = q.shape
   hkv = k.shape[2]
   group = num_heads // hkv
   nq, nb = seq // block_q, bounds.centres.shape[1]
-  padded_nb = pl.cdiv(nb, CENTRES) * CENTRES
+  padded_nb = pl.cdiv(nb, chunk) * chunk
   rounded = bounds.centres.astype(q.dtype)
   widen = (jnp.linalg.norm(bounds.centres - rounded.astype(jnp.float32), axis=-1)
            + ACCUMULATION * jnp.linalg.norm(rounded.astype(jnp.float32), axis=-1))  # [B, nb, Hkv]
@@ -135,7 +157,7 @@ def row_bounds(q, k, segment_ids, bounds: BlockBounds, *, causal: bool, scale: f
     in_specs.append(pl.BlockSpec((None, None, head_dim), lambda i, b, h: (b, h // group, 0)))
     args.append(mean)
   kernel = functools.partial(_kernel, causal=causal, has_segments=segment_ids is not None, sigma2=scale * LOG2E,
-                             block_q=block_q, block=block, kv_len=kv_len, num_blocks=nb, num_q_blocks=nq,
+                             block_q=block_q, centres=chunk, block=block, kv_len=kv_len, num_blocks=nb, num_q_blocks=nq,
                              precision=dot_precision(q.dtype))
   row_struct = out_struct((batch, num_heads, seq), jnp.float32, q)
   return pl.pallas_call(
@@ -144,7 +166,7 @@ def row_bounds(q, k, segment_ids, bounds: BlockBounds, *, causal: bool, scale: f
       in_specs=in_specs,
       out_specs=[pl.BlockSpec((None, None, block_q), rowmap)] * 2,
       out_shape=[row_struct, row_struct],
-      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+      compiler_params=plgpu.CompilerParams(num_warps=block_sizes.num_warps, num_stages=block_sizes.num_stages),
       interpret=interpret,
       name="clis_block_bounds",
   )(*args)

@@ -183,7 +183,7 @@ class Plan:
     (stabilizer.block_row_bounds in XLA)."""
     module = self.backend.row_bounds
     if module is None or not module.supports(causal=causal, packed=packed, window=window, separate_ids=separate_ids,
-                                             same_length=same_length, block_q=self.tile):
+                                             same_length=same_length, multiple=self.multiple):
       return None
     return functools.partial(module.row_bounds, interpret=self.interpret)
 

@@ -100,6 +100,7 @@ import jax.numpy as jnp
 from clis_kernels import masks
 
 LOG2E = math.log2(math.e)
+MEDIAN_SAMPLE = 1024  # keys per (batch, kv head) whose deviations set the exceptional cut
 NEG = -1e30  # finite "minus infinity" for masked base-2 logits: exp2(NEG - finite) == 0
 EMPTY_LSE = 1e30  # saved lse of a row with no visible key: its backward weights are 0
 SAMPLED_BLOCKS = 32  # key blocks whose means give the centre (their median)
@@ -405,13 +406,16 @@ def block_bounds(k, segment_ids, *, block: int, seq_len: int, budget: int = 32, 
 
   keep = jnp.broadcast_to(valid, (batch, sk, hkv))
   _, dev, _ = stats(keep)
-  cut = factor * jnp.nanmedian(jnp.where(keep, dev, jnp.nan), axis=1)  # [B, Hkv]: robust to many sinks
+  sample = slice(None, None, max(1, sk // MEDIAN_SAMPLE))  # keys spread evenly: a cheap median
+  cut = factor * jnp.nanmedian(jnp.where(keep, dev, jnp.nan)[:, sample], axis=1)  # [B, Hkv]: robust to many sinks
   score = jnp.where(keep, dev, -1.0).transpose(0, 2, 1)  # [B, Hkv, Sk]
   top, where = jax.lax.top_k(score, max(0, min(budget, sk)))
   is_exceptional = top > cut[..., None]
-  drop = jnp.zeros((batch, hkv, sk), bool).at[
-      jnp.arange(batch)[:, None, None], jnp.arange(hkv)[None, :, None], where].max(is_exceptional)
-  centres, _, radii = stats(keep & ~drop.transpose(0, 2, 1))
+  # Blocks drop the keys strictly above both the cut and the budget's smallest listed deviation: all
+  # of them are listed (top_k) and exceptional, so every dropped key is scored exactly (a tie at the
+  # smallest listed value stays in its block: sound, at most scored twice).
+  floor = jnp.maximum(cut, top[..., -1] if top.shape[-1] else jnp.inf)  # [B, Hkv]
+  centres, _, radii = stats(keep & ~(dev > floor[:, None, :]))
   return BlockBounds(centres=centres, radii=radii, exceptional=where.astype(jnp.int32), is_exceptional=is_exceptional)
 
 
@@ -516,7 +520,7 @@ def certify_blocks(q, k, v, segment_ids, *, causal: bool, scale: float, tau: flo
                                     own_block=block_q)
   else:
     upper, lower = (soft_cap(x, cap2) for x in row_bounds_kernel(q, k, segment_ids, bounds, causal=causal, scale=scale,
-                                                                 block=key_block, kv_len=kv_seq_len, block_q=block_q))
+                                                                 block=key_block, kv_len=kv_seq_len))
   headroom, floor = headroom_and_floor(v, segment_ids=segment_ids, seq_len=kv_seq_len)
   return _certificate(upper, lower, headroom, jnp.minimum(tau * LOG2E, headroom + floor), segment_ids,
                       block_q=block_q, seq_len=seq_len, granularity=granularity)

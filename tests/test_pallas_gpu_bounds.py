@@ -42,7 +42,8 @@ def test_kernel_bounds_match_xla_and_hold(family, causal, dtype):
   scale = 1 / math.sqrt(64)
   bounds = stabilizer.block_bounds(k, seg, block=KEY_BLOCK, seq_len=kv_len, budget=8)
   kw = dict(causal=causal, scale=scale, block=KEY_BLOCK, kv_len=kv_len)
-  upper, lower = pallas_gpu_bounds.row_bounds(q, k, seg, bounds, block_q=BLOCK_Q, interpret=True, **kw)
+  upper, lower = pallas_gpu_bounds.row_bounds(q, k, seg, bounds, block_sizes=pallas_gpu_bounds.BlockSizes(BLOCK_Q, 16),
+                                              interpret=True, **kw)
   ref_upper, ref_lower = stabilizer.block_row_bounds(q, k, seg, bounds, own_block=BLOCK_Q, **kw)
   row_max = exact_row_max(q, k, None if seg is None else seg.q, causal, scale, kv_len)
   seen = np.isfinite(row_max)
@@ -99,7 +100,7 @@ def test_compiled_kernel_matches_xla_on_gpu(causal, family):
   scale = 1 / math.sqrt(128)
   bounds = stabilizer.block_bounds(k, seg, block=KEY_BLOCK, seq_len=2048)
   kw = dict(causal=causal, scale=scale, block=KEY_BLOCK, kv_len=2048)
-  upper, lower = jax.jit(lambda q, k: pallas_gpu_bounds.row_bounds(q, k, seg, bounds, block_q=64, **kw))(q, k)
+  upper, lower = jax.jit(lambda q, k: pallas_gpu_bounds.row_bounds(q, k, seg, bounds, **kw))(q, k)
   ref_upper, ref_lower = stabilizer.block_row_bounds(q, k, seg, bounds, own_block=64, **kw)
   row_max = exact_row_max(q, k, None if seg is None else seg.q, causal, scale, 2048)
   seen = np.isfinite(row_max)

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from clis_kernels import attention
+from clis_kernels import attention, testing
 from clis_bench import benchmarking
 
 CASES = {  # name: (seq, q heads, kv heads, causal, documents or 0)
@@ -95,13 +95,22 @@ def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--out", required=True)
   parser.add_argument("--calls", type=int, default=8)
+  parser.add_argument("--family", nargs="*", default=[], help="S,B,causal(0/1),family cases (clis_kernels.testing) "
+                      "instead of the default CASES, GQA 32/8, D 128; e.g. 8192,4,1,outlier_channels")
+  parser.add_argument("--variants", nargs="+", default=["clis", "online"], choices=["clis", "online", "clis_blocks"])
   args = parser.parse_args()
   records = []
-  for case, (seq, hq, hkv, causal, docs) in CASES.items():
-    q, k, v, seg = inputs(seq, hq, hkv, docs)
-    for stab in ("clis", "online"):
-      fn = jax.jit(lambda q, k, v, seg, stab=stab, causal=causal: attention(q, k, v, seg, causal=causal,
-                                                                             stabilizer=stab))
+  cases = {case: (causal, inputs(seq, hq, hkv, docs)) for case, (seq, hq, hkv, causal, docs) in CASES.items()}
+  if args.family:
+    cases = {}
+    for spec in args.family:
+      seq, batch, causal, family = spec.split(",")
+      q, k, v, _, seg = testing.inputs(family, int(batch), int(seq), 32, 8, 128)
+      cases[f"{'causal' if int(causal) else 'bidir'}_S{seq}_B{batch}_{family}"] = (bool(int(causal)), (q, k, v, seg))
+  for case, (causal, (q, k, v, seg)) in cases.items():
+    for stab in args.variants:
+      kw = dict(stabilizer="online") if stab == "online" else dict(bound="blocks" if stab == "clis_blocks" else "radius")
+      fn = jax.jit(lambda q, k, v, seg, kw=kw, causal=causal: attention(q, k, v, seg, causal=causal, **kw))
       rec = dict(case=case, stabilizer=stab, **profile(lambda: fn(q, k, v, seg), args.calls),
                  **benchmarking.device_meta())
       records.append(rec)
