@@ -232,8 +232,9 @@ def attention(q, k, v, segment_ids=None, *, causal=True, scale=None, local_windo
     stabilizer.certify_blocks).
   implementation: None (TPU → "pallas_tpu"; NVIDIA Hopper with bf16/f16 and D 64 or 128 →
     "pallas_mgpu", the fastest forward and backward on an H200; other NVIDIA GPUs or inputs →
-    "pallas_gpu"; CPU → "reference"), or one of "pallas_tpu", "pallas_gpu", "pallas_mgpu",
-    "reference", "xla".
+    "pallas_gpu"; CPU → "reference"; on Hopper, sequences shorter than plan.CERTIFY_FROM_MGPU keys run
+    the online softmax, where certifying cannot pay), or one of "pallas_tpu", "pallas_gpu",
+    "pallas_mgpu", "reference", "xla" (a named backend certifies at every length).
   block_sizes: the forward's BlockSizes dataclass; backward_block_sizes: the backward's (default:
     their heuristics). "pallas_mgpu_triton_bwd" is the Mosaic GPU forward with the Triton backward.
   interpret: run a Pallas backend in Pallas interpret mode (on the CPU).

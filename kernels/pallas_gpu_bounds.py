@@ -1,7 +1,7 @@
 """The block bound's per-row (U, L) as a Pallas Triton kernel (NVIDIA GPUs): `stabilizer.block_row_bounds`
 without its [rows, num_blocks] intermediate in memory.
 
-Grid (q tile, batch, q head); each program owns one [block_q, D] query tile and
+Grid (q tile, batch, q heads of one kv head); each program owns a [block_q, D] query tile per head and
   * walks the key-block centres it may see in chunks of `centres`: U = max σ₂(q·ĉ_u + ‖q‖ r̂_u) (one
     small matmul per chunk on the tensor cores, so its cost is ~block/16 of the attention's QKᵀ);
   * scores the exceptional keys exactly (one [block_q, E] matmul): into U and L where visible;
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -33,10 +34,13 @@ ACCUMULATION = 2.0 ** -16  # relative error of an f32-accumulated dot over D <= 
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """rows: query rows per program, also the own tile of keys scored for L; centres: key-block centres
-  per matmul of the upper bound's loop; num_warps, num_stages: Triton's launch."""
+  """rows: query rows per program, also the own tile of keys scored for L; heads: q heads of one kv
+  head per program (each chunk of centres is loaded once for all of them; the gcd with the group is
+  taken); centres: key-block centres per matmul of the upper bound's loop; num_warps, num_stages:
+  Triton's launch."""
 
   rows: int = 64
+  heads: int = 4
   centres: int = 64
   num_warps: int = 4
   num_stages: int = 2
@@ -46,6 +50,8 @@ class BlockSizes:
       value = getattr(self, name)
       if value < 16 or value & (value - 1):
         raise ValueError(f"{name}={value} must be a power of two >= 16 (Triton's dots)")
+    if self.heads < 1:
+      raise ValueError(f"heads={self.heads} must be >= 1")
     if self.num_warps not in (1, 2, 4, 8, 16):
       raise ValueError(f"num_warps={self.num_warps} must be one of 1, 2, 4, 8, 16")
 
@@ -57,8 +63,8 @@ def supports(*, causal: bool, packed: bool, window, separate_ids: bool, same_len
       causal or not packed)
 
 
-def _kernel(*refs, causal: bool, has_segments: bool, sigma2: float, block_q: int, centres: int, block: int,
-            kv_len: int, num_blocks: int, num_q_blocks: int, precision):
+def _kernel(*refs, causal: bool, has_segments: bool, sigma2: float, block_q: int, heads: int, centres: int,
+            block: int, kv_len: int, num_blocks: int, num_q_blocks: int, precision):
   q_ref, k_ref, centres_ref, radii_ref, ke_ref, epos_ref, eok_ref = refs[:7]
   rest = refs[7:]
   if has_segments:
@@ -66,40 +72,40 @@ def _kernel(*refs, causal: bool, has_segments: bool, sigma2: float, block_q: int
   mean_ref = None if causal else rest[0]
   upper_ref, lower_ref = rest[-2:]
   q_block = num_q_blocks - 1 - pl.program_id(0) if causal else pl.program_id(0)
-  q = q_ref[...]
-  qf = q.astype(jnp.float32)
-  q_norm = jnp.sqrt((qf * qf).sum(axis=1))
+  qs = [q_ref[:, h, :] for h in range(heads)]  # the tile of each q head sharing this kv head, [block_q, D]
+  norms = [jnp.sqrt((q.astype(jnp.float32) ** 2).sum(axis=1)) for q in qs]
   rows = q_block * block_q + jnp.arange(block_q)
   q_seg = qseg_ref[...] if has_segments else None
 
-  def centres_step(c, upper):
+  def centres_step(c, uppers):  # one chunk of centres, loaded once for every head
     u = c * centres + jnp.arange(centres)
-    s = plgpu.dot(q, centres_ref[pl.ds(c * centres, centres), :], trans_b=True, precision=precision)
-    s = s + q_norm[:, None] * radii_ref[pl.ds(c * centres, centres)][None, :]
+    chunk, radii = centres_ref[pl.ds(c * centres, centres), :], radii_ref[pl.ds(c * centres, centres)]
     sees = u[None, :] < num_blocks
     if causal:
       sees = sees & (u[None, :] * block <= rows[:, None])
-    return jnp.maximum(upper, jnp.where(sees, s, NEG).max(axis=1))
+    return tuple(jnp.maximum(upper, jnp.where(sees, plgpu.dot(q, chunk, trans_b=True, precision=precision)
+                                              + norm[:, None] * radii[None, :], NEG).max(axis=1))
+                 for q, norm, upper in zip(qs, norms, uppers))
 
   last_row = (q_block + 1) * block_q - 1
   num_chunks = (last_row // block) // centres + 1 if causal else pl.cdiv(num_blocks, centres)
-  upper = lax.fori_loop(0, num_chunks, centres_step, jnp.full((block_q,), NEG, jnp.float32))
+  uppers = lax.fori_loop(0, num_chunks, centres_step, (jnp.full((block_q,), NEG, jnp.float32),) * heads)
 
-  positions = epos_ref[...]
-  s_e = plgpu.dot(q, ke_ref[...], trans_b=True, precision=precision)
-  seen = masks.visible(rows, positions, q_seg, eseg_ref[...] if has_segments else None, causal=causal, kv_len=None)
-  seen = eok_ref[...][None, :] != 0 if seen is None else seen & (eok_ref[...][None, :] != 0)
-  exact = jnp.where(seen, s_e, NEG).max(axis=1)
-
+  k_e, ok_e = ke_ref[...], eok_ref[...][None, :] != 0
+  seen = masks.visible(rows, epos_ref[...], q_seg, eseg_ref[...] if has_segments else None, causal=causal, kv_len=None)
+  seen = ok_e if seen is None else seen & ok_e
   own_keys = pl.ds(q_block * block_q, block_q)
-  s_own = plgpu.dot(q, k_ref[own_keys, :], trans_b=True, precision=precision)
+  k_own = k_ref[own_keys, :]
   ok = masks.visible(rows, q_block * block_q + jnp.arange(block_q), q_seg, kseg_ref[own_keys] if has_segments else None,
                      causal=causal, kv_len=None if causal else kv_len)
-  lower = (s_own if ok is None else jnp.where(ok, s_own, NEG)).max(axis=1)
-  if mean_ref is not None:
-    lower = jnp.maximum(lower, (qf * mean_ref[...][None, :]).sum(axis=1))
-  upper_ref[...] = jnp.maximum(upper, exact) * sigma2
-  lower_ref[...] = jnp.maximum(lower, exact) * sigma2
+  for h, (q, upper) in enumerate(zip(qs, uppers)):
+    exact = jnp.where(seen, plgpu.dot(q, k_e, trans_b=True, precision=precision), NEG).max(axis=1)
+    s_own = plgpu.dot(q, k_own, trans_b=True, precision=precision)
+    lower = (s_own if ok is None else jnp.where(ok, s_own, NEG)).max(axis=1)
+    if mean_ref is not None:
+      lower = jnp.maximum(lower, (q.astype(jnp.float32) * mean_ref[...][None, :]).sum(axis=1))
+    upper_ref[h, :] = jnp.maximum(upper, exact) * sigma2
+    lower_ref[h, :] = jnp.maximum(lower, exact) * sigma2
 
 
 def row_bounds(q, k, segment_ids, bounds: BlockBounds, *, causal: bool, scale: float, block: int, kv_len: int,
@@ -132,12 +138,14 @@ def row_bounds(q, k, segment_ids, bounds: BlockBounds, *, causal: bool, scale: f
   positions = jnp.pad(positions, ((0, 0), (0, 0), (0, pad_e)))
   ok_e = jnp.pad(bounds.is_exceptional, ((0, 0), (0, 0), (0, pad_e))).astype(jnp.int32)
 
-  # Grid (q tile, batch, q head); causal tiles run last-first so the longest start early.
+  # Grid (q tile, batch, group of `heads` q heads of one kv head); causal tiles run last-first so the
+  # longest start early. Each program loads a chunk of centres once for all its heads.
+  heads = math.gcd(group, block_sizes.heads)
   qmap = (lambda i, b, h: (b, nq - 1 - i, h, 0)) if causal else (lambda i, b, h: (b, i, h, 0))
   rowmap = (lambda i, b, h: (b, h, nq - 1 - i)) if causal else (lambda i, b, h: (b, h, i))
-  kv_head = lambda i, b, h: (b, 0, h // group, 0)
-  per_kv_head = lambda i, b, h: (b, h // group, 0)
-  in_specs = [pl.BlockSpec((None, block_q, None, head_dim), qmap),
+  kv_head = lambda i, b, h: (b, 0, h * heads // group, 0)
+  per_kv_head = lambda i, b, h: (b, h * heads // group, 0)
+  in_specs = [pl.BlockSpec((None, block_q, heads, head_dim), qmap),
               pl.BlockSpec((None, seq, None, head_dim), kv_head),
               pl.BlockSpec((None, padded_nb, None, head_dim), kv_head),
               pl.BlockSpec((None, None, padded_nb), per_kv_head),
@@ -154,17 +162,17 @@ def row_bounds(q, k, segment_ids, bounds: BlockBounds, *, causal: bool, scale: f
   if not causal:  # the mean of the real keys: max >= mean
     real = (jnp.arange(seq) < kv_len)[None, :, None, None]
     mean = jnp.where(real, k.astype(jnp.float32), 0.0).sum(1) / max(kv_len, 1)  # [B, Hkv, D]
-    in_specs.append(pl.BlockSpec((None, None, head_dim), lambda i, b, h: (b, h // group, 0)))
+    in_specs.append(pl.BlockSpec((None, None, head_dim), per_kv_head))
     args.append(mean)
   kernel = functools.partial(_kernel, causal=causal, has_segments=segment_ids is not None, sigma2=scale * LOG2E,
-                             block_q=block_q, centres=chunk, block=block, kv_len=kv_len, num_blocks=nb, num_q_blocks=nq,
+                             block_q=block_q, heads=heads, centres=chunk, block=block, kv_len=kv_len, num_blocks=nb, num_q_blocks=nq,
                              precision=dot_precision(q.dtype))
   row_struct = out_struct((batch, num_heads, seq), jnp.float32, q)
   return pl.pallas_call(
       kernel,
-      grid=(nq, batch, num_heads),
+      grid=(nq, batch, num_heads // heads),
       in_specs=in_specs,
-      out_specs=[pl.BlockSpec((None, None, block_q), rowmap)] * 2,
+      out_specs=[pl.BlockSpec((None, heads, block_q), rowmap)] * 2,
       out_shape=[row_struct, row_struct],
       compiler_params=plgpu.CompilerParams(num_warps=block_sizes.num_warps, num_stages=block_sizes.num_stages),
       interpret=interpret,

@@ -3,8 +3,8 @@ for temporal tile skipping), with which tiles, padded to what, in which stabiliz
 
 Every caller (`attention`, `diffusion.attention`, the example sampler, the benchmarks, the trainer)
 reaches a kernel through `make_plan`; nothing else decides a backend. The registry is ordered by
-priority: `implementation=None` takes the first entry that supports the call, and a named entry
-that cannot run it says why. The platform is a parameter (`Platform.detect()` by default), so a
+priority: `implementation=None` takes the first entry that supports the call (and runs rows shorter
+than its `certify_from` online), and a named entry that cannot run it says why. The platform is a parameter (`Platform.detect()` by default), so a
 test plans for an H200 on a CPU without patching anything.
 """
 
@@ -75,6 +75,7 @@ class Entry:
   automatic: bool = True  # may implementation=None pick it
   backward_tiles: str | None = None  # module with the backward's BlockSizes (None: the forward's)
   row_bounds: str | None = None  # module of the block bound's (U, L) kernel (Mode.BLOCKS), None: XLA
+  certify_from: int = 0  # implementation=None: shorter sequences run online (certifying cannot pay there)
 
   def supports(self, call: Call, platform: Platform, *, automatic: bool = False) -> str | None:
     """None when this entry can run the call, else why not, phrased to follow its name. automatic:
@@ -115,9 +116,14 @@ def _function(path: str, default: str):
   return getattr(_module(path), name)
 
 
+# Below this many keys the Mosaic GPU kernel's online loop beats its certified one with the pre-pass
+# (H200, B x S = 32k tokens: BENCHMARKS.md, issue 16), so implementation=None runs those calls online.
+CERTIFY_FROM_MGPU = 8192
+
 REGISTRY: tuple[Entry, ...] = (
     Entry("pallas_mgpu", 30, ("gpu",), "pallas_mgpu", "pallas_mgpu_vjp", True, interpretable=False,
-          hopper_only=True, window_and_soft_cap=False, backward_tiles="pallas_mgpu_vjp", row_bounds="pallas_gpu_bounds"),
+          hopper_only=True, window_and_soft_cap=False, backward_tiles="pallas_mgpu_vjp", row_bounds="pallas_gpu_bounds",
+          certify_from=CERTIFY_FROM_MGPU),
     Entry("pallas_mgpu_triton_bwd", 25, ("gpu",), "pallas_mgpu", "pallas_gpu_vjp", True, interpretable=False,
           hopper_only=True, window_and_soft_cap=False, automatic=False, backward_tiles="pallas_gpu",
           row_bounds="pallas_gpu_bounds"),
@@ -222,6 +228,8 @@ def make_plan(*, dtype, head_dim: int, seq_len: int, stabilizer: str = "clis", b
     raise ValueError(f"backward_block_sizes for implementation={entry.name!r} must be "
                      f"{backend.backward_block_sizes_type.__module__}.BlockSizes; got "
                      f"{type(backward_block_sizes).__name__}")
+  if implementation is None and seq_len < entry.certify_from:
+    stabilizer = "online"  # the automatic choice: certifying cannot pay on rows this short
   mode = mode_of(stabilizer, bound=bound, granularity=granularity, separate_ids=separate_ids, entry=entry)
   multiple = max(block_sizes.multiple, backward_block_sizes.multiple)
   return Plan(entry, mode, block_sizes, backward_block_sizes, padded_head, multiple, block_sizes.tile,

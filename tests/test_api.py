@@ -73,6 +73,19 @@ def test_gpu_default_is_the_mosaic_backend_on_hopper_where_it_applies(hopper, dt
   assert plan.choose(None, call, plan.Platform("gpu", hopper=hopper)).name == want
 
 
+@pytest.mark.parametrize("seq_len,implementation,bound,want", [
+    (plan.CERTIFY_FROM_MGPU - 1, None, "radius", plan.Mode.ONLINE), (plan.CERTIFY_FROM_MGPU, None, "radius",
+                                                                      plan.Mode.KEYS),
+    (2048, None, "blocks", plan.Mode.ONLINE), (2048, "pallas_mgpu", "radius", plan.Mode.KEYS),
+    (32768, None, "blocks", plan.Mode.BLOCKS)])
+def test_automatic_plan_runs_short_rows_online_on_hopper(seq_len, implementation, bound, want):
+  """implementation=None on Hopper: rows too short for the certificate to pay run the online loop; a
+  backend named explicitly certifies at every length."""
+  p = plan.make_plan(dtype=jnp.bfloat16, head_dim=128, seq_len=seq_len, bound=bound, implementation=implementation,
+                     platform=plan.HOPPER)
+  assert p.entry.name == "pallas_mgpu" and p.mode is want
+
+
 @pytest.mark.parametrize("kwargs,message", [
     (dict(local_window_size=-1), "local_window_size=-1 must be an int w >= 0"),
     (dict(local_window_size=(1, 2, 3)), "must be an int w >= 0 or a pair"),

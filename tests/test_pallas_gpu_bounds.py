@@ -32,17 +32,17 @@ def exact_row_max(q, k, seg, causal, scale, kv_len):
   return np.where(ok, s, -np.inf).max(-1)
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("dtype,heads", [(jnp.bfloat16, 2), (jnp.float32, 1)])
 @pytest.mark.parametrize("family,causal", [("sink0", True), ("sinks_many", True), ("packed_sinks", True),
                                            ("outlier_channels", False), ("sinks_many", False)])
-def test_kernel_bounds_match_xla_and_hold(family, causal, dtype):
+def test_kernel_bounds_match_xla_and_hold(family, causal, dtype, heads):
   q, k, _, _, seg = testing.inputs(family, 2, 128, 4, 2, 64, dtype=dtype)
   kv_len = 128 if causal else 120  # bidirectional: the last keys are block padding
   seg = segment_ids_of(seg)
   scale = 1 / math.sqrt(64)
   bounds = stabilizer.block_bounds(k, seg, block=KEY_BLOCK, seq_len=kv_len, budget=8)
   kw = dict(causal=causal, scale=scale, block=KEY_BLOCK, kv_len=kv_len)
-  upper, lower = pallas_gpu_bounds.row_bounds(q, k, seg, bounds, block_sizes=pallas_gpu_bounds.BlockSizes(BLOCK_Q, 16),
+  upper, lower = pallas_gpu_bounds.row_bounds(q, k, seg, bounds, block_sizes=pallas_gpu_bounds.BlockSizes(rows=BLOCK_Q, heads=heads, centres=16),
                                               interpret=True, **kw)
   ref_upper, ref_lower = stabilizer.block_row_bounds(q, k, seg, bounds, own_block=BLOCK_Q, **kw)
   row_max = exact_row_max(q, k, None if seg is None else seg.q, causal, scale, kv_len)
@@ -109,3 +109,17 @@ def test_compiled_kernel_matches_xla_on_gpu(causal, family):
   assert np.all(lower <= row_max[seen] + 1e-3)
   np.testing.assert_array_less(np.asarray(ref_upper)[seen] - 1e-3, upper)
   np.testing.assert_allclose(lower, np.asarray(ref_lower)[seen], rtol=1e-4, atol=1e-2)
+
+
+@pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
+@pytest.mark.parametrize("causal,packed", [(True, False), (True, True), (False, False)])
+def test_kernel_lowers_for_the_gpu(causal, packed):
+  """The (U, L) kernel lowers to Triton for an H200, with the block bound in the Mosaic GPU entry's plan."""
+  from attention_base import lower_for_h200
+  q = jax.ShapeDtypeStruct((1, 512, 8, 128), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, 512, 2, 128), jnp.bfloat16)
+  seg = jax.ShapeDtypeStruct((1, 512), jnp.int32) if packed else None
+  text = lower_for_h200(lambda q, k, v, seg: api.attention(q, k, v, seg, causal=causal, bound="blocks",
+                                                          implementation="pallas_mgpu", platform=plan.HOPPER),
+                        q, k, k, seg)
+  assert "clis_block_bounds" in text and "mosaic_gpu" in text

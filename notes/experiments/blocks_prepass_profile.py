@@ -16,8 +16,8 @@ from clis_bench import benchmarking
 from clis_kernels import pallas_gpu_bounds, stabilizer, testing
 
 
-TILES = [pallas_gpu_bounds.BlockSizes(*t) for t in
-         [(64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 4, 2), (128, 128, 8, 2), (128, 64, 4, 3), (64, 32, 4, 3)]]
+TILES = [pallas_gpu_bounds.BlockSizes(rows=r, heads=h, centres=c, num_warps=w, num_stages=st) for r, h, c, w, st in
+         [(64, 1, 64, 4, 2), (64, 4, 64, 4, 2), (64, 4, 64, 8, 2), (32, 4, 64, 4, 2), (64, 2, 64, 4, 3), (128, 4, 64, 8, 3)]]
 
 
 def main():
