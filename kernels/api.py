@@ -56,7 +56,7 @@ class _Static:
 
 
 def check_inputs(q, k, v, segment_ids, causal, stabilizer_name, granularity, tau, local_window_size=None,
-                 logits_soft_cap=None, bound="radius"):
+                 logits_soft_cap=None, bound=None):
   """One clear ValueError for inputs no backend takes (shapes, dtypes, ids, options)."""
   for name, x in (("q", q), ("k", k), ("v", v)):
     if x.ndim != 4:
@@ -90,8 +90,8 @@ def check_inputs(q, k, v, segment_ids, causal, stabilizer_name, granularity, tau
     raise ValueError(f"stabilizer={stabilizer_name!r} must be one of {STABILIZERS}")
   if granularity not in GRANULARITIES:
     raise ValueError(f"{granularity=} must be one of {GRANULARITIES}")
-  if bound not in BOUNDS:
-    raise ValueError(f"{bound=} must be one of {BOUNDS}")
+  if bound is not None and bound not in BOUNDS:
+    raise ValueError(f"{bound=} must be one of {BOUNDS} or None (the plan's choice)")
   if not tau > 0:
     raise ValueError(f"{tau=} must be positive (natural-log units; default 64.0)")
   if logits_soft_cap is not None and not (isinstance(logits_soft_cap, (int, float)) and logits_soft_cap > 0):
@@ -210,7 +210,7 @@ def _stabilizer_input(plan: plan_lib.Plan, qp, kp, vp, segp, *, causal, scale, t
 
 
 def attention(q, k, v, segment_ids=None, *, causal=True, scale=None, local_window_size=None, logits_soft_cap=None,
-              stabilizer="clis", granularity="tile", tau=64.0, bound="radius", implementation=None, block_sizes=None,
+              stabilizer="clis", granularity="tile", tau=64.0, bound=None, implementation=None, block_sizes=None,
               backward_block_sizes=None, interpret=False, return_stats=False, platform=None):
   """CLiS attention. q [B, S, Hq, D]; k, v [B, S, Hkv, D] with Hq a multiple of Hkv.
 
@@ -227,9 +227,10 @@ def attention(q, k, v, segment_ids=None, *, causal=True, scale=None, local_windo
   tau: cap on the certified gap U − L between a row's bound and its lower bound, in
     natural-log units (the dtype's own limit h + T from stabilizer.py applies too).
   bound: "radius" (one centre and per-tile radius from a K/V pre-pass; kernels certify in their
-    prologue) or "blocks" (per-block centres, exceptional keys scored exactly, the row's own block
-    scored exactly: holds on sinks and RoPE-rotated outlier channels; an XLA pre-pass over q and K,
-    stabilizer.certify_blocks).
+    prologue), "blocks" (per-block centres, exceptional keys scored exactly, the row's own block
+    scored exactly: holds on sinks and RoPE-rotated outlier channels; a pre-pass over q and K,
+    stabilizer.certify_blocks, with a Triton kernel for the rows' bounds on GPUs), or None: the
+    plan's choice (plan.automatic_bound: "blocks" on Hopper from plan.BLOCKS_FROM_MGPU keys on).
   implementation: None (TPU → "pallas_tpu"; NVIDIA Hopper with bf16/f16 and D 64 or 128 →
     "pallas_mgpu", the fastest forward and backward on an H200; other NVIDIA GPUs or inputs →
     "pallas_gpu"; CPU → "reference"; on Hopper, sequences shorter than plan.CERTIFY_FROM_MGPU keys run
@@ -260,7 +261,7 @@ def attention(q, k, v, segment_ids=None, *, causal=True, scale=None, local_windo
     return out, AttentionStats(none, jnp.zeros(()), jnp.zeros(q.shape[2]))
   seq_len, kv_seq_len = q.shape[1], k.shape[1]
   plan = plan_lib.make_plan(dtype=q.dtype, head_dim=q.shape[-1], seq_len=max(seq_len, kv_seq_len),
-                            stabilizer=stabilizer, bound=bound, granularity=granularity, separate_ids=separate_ids,
+                            stabilizer=stabilizer, bound=bound, causal=bool(causal), packed=segment_ids is not None, granularity=granularity, separate_ids=separate_ids,
                             window_or_cap=window is not None or softcap is not None, implementation=implementation,
                             block_sizes=block_sizes, backward_block_sizes=backward_block_sizes, interpret=interpret,
                             platform=platform)

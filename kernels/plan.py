@@ -76,6 +76,7 @@ class Entry:
   backward_tiles: str | None = None  # module with the backward's BlockSizes (None: the forward's)
   row_bounds: str | None = None  # module of the block bound's (U, L) kernel (Mode.BLOCKS), None: XLA
   certify_from: int = 0  # implementation=None: shorter sequences run online (certifying cannot pay there)
+  blocks_from: int | None = None  # bound=None: the block bound from this many keys on (its kernel pays), else radius
 
   def supports(self, call: Call, platform: Platform, *, automatic: bool = False) -> str | None:
     """None when this entry can run the call, else why not, phrased to follow its name. automatic:
@@ -119,14 +120,18 @@ def _function(path: str, default: str):
 # Below this many keys the Mosaic GPU kernel's online loop beats its certified one with the pre-pass
 # (H200, B x S = 32k tokens: BENCHMARKS.md, issue 16), so implementation=None runs those calls online.
 CERTIFY_FROM_MGPU = 8192
+# From this many keys the block bound (its pre-pass kernel ~5% of the forward at 8k, ~3% at 32k) pays
+# on inputs shaped like a pretrained model's, where the one-radius bound certifies nothing; bound=None
+# takes it there when its kernel takes the call (same measurements).
+BLOCKS_FROM_MGPU = 16384
 
 REGISTRY: tuple[Entry, ...] = (
     Entry("pallas_mgpu", 30, ("gpu",), "pallas_mgpu", "pallas_mgpu_vjp", True, interpretable=False,
           hopper_only=True, window_and_soft_cap=False, backward_tiles="pallas_mgpu_vjp", row_bounds="pallas_gpu_bounds",
-          certify_from=CERTIFY_FROM_MGPU),
+          certify_from=CERTIFY_FROM_MGPU, blocks_from=BLOCKS_FROM_MGPU),
     Entry("pallas_mgpu_triton_bwd", 25, ("gpu",), "pallas_mgpu", "pallas_gpu_vjp", True, interpretable=False,
           hopper_only=True, window_and_soft_cap=False, automatic=False, backward_tiles="pallas_gpu",
-          row_bounds="pallas_gpu_bounds"),
+          row_bounds="pallas_gpu_bounds", blocks_from=BLOCKS_FROM_MGPU),
     Entry("pallas_gpu", 20, ("gpu",), "pallas_gpu", "pallas_gpu_vjp", True, skip="diffusion.pallas_gpu_skip",
           row_bounds="pallas_gpu_bounds"),
     Entry("pallas_tpu", 20, ("tpu",), "pallas_tpu", "pallas_tpu_vjp", False, skip="diffusion.pallas_tpu_skip"),
@@ -206,11 +211,23 @@ def mode_of(stabilizer: str, *, bound: str, granularity: str, separate_ids: bool
   return Mode.KEYS
 
 
-def make_plan(*, dtype, head_dim: int, seq_len: int, stabilizer: str = "clis", bound: str = "radius",
+def automatic_bound(entry: Entry, *, seq_len: int, causal: bool, packed: bool, separate_ids: bool,
+                    window_or_cap: bool) -> str:
+  """bound=None: "blocks" from the entry's `blocks_from` keys on where its (U, L) kernel takes the call
+  (no window or cap, one segment_ids, not bidirectional packed), else "radius"."""
+  kernel_takes = not (window_or_cap or separate_ids or (packed and not causal))
+  if entry.blocks_from is not None and seq_len >= entry.blocks_from and kernel_takes:
+    return "blocks"
+  return "radius"
+
+
+def make_plan(*, dtype, head_dim: int, seq_len: int, stabilizer: str = "clis", bound: str | None = None,
+              causal: bool = True, packed: bool = False,
               granularity: str = "tile", separate_ids: bool = False, window_or_cap: bool = False,
               skipping: bool = False, implementation: str | None = None, block_sizes=None,
               backward_block_sizes=None, interpret: bool = False, platform: Platform | None = None) -> Plan:
-  """The plan for one call. seq_len: the longer of the query and key lengths (tile heuristics)."""
+  """The plan for one call. seq_len: the longer of the query and key lengths (tile heuristics);
+  bound None: `automatic_bound` (causal, packed: what the call is, for it)."""
   platform = Platform.detect() if platform is None else platform
   call = Call(jnp.dtype(dtype), head_dim, window_or_cap, skipping, interpret)
   entry = choose(implementation, call, platform)
@@ -230,6 +247,9 @@ def make_plan(*, dtype, head_dim: int, seq_len: int, stabilizer: str = "clis", b
                      f"{type(backward_block_sizes).__name__}")
   if implementation is None and seq_len < entry.certify_from:
     stabilizer = "online"  # the automatic choice: certifying cannot pay on rows this short
+  if bound is None:
+    bound = automatic_bound(entry, seq_len=seq_len, causal=causal, packed=packed, separate_ids=separate_ids,
+                            window_or_cap=window_or_cap)
   mode = mode_of(stabilizer, bound=bound, granularity=granularity, separate_ids=separate_ids, entry=entry)
   multiple = max(block_sizes.multiple, backward_block_sizes.multiple)
   return Plan(entry, mode, block_sizes, backward_block_sizes, padded_head, multiple, block_sizes.tile,

@@ -1,5 +1,9 @@
 """Kernel-level attention throughput: our `clis` and `online` against cuDNN, dense XLA, tokamax, splash.
 
+`clis` is the API's default call (the plan picks the backend, online below the certifying length,
+and the bound); `clis_radius` / `clis_blocks` force a bound; `clis_mgpu` names the Mosaic GPU backend
+(it certifies at every length). Each certifying variant's certified fraction is recorded.
+
 `clis_prepass` times the pre-pass alone (clis time = pre-pass + kernel): on GPUs the pass over
 K and V (`stabilizer.key_bounds`; the kernel certifies its tiles), elsewhere the whole XLA certificate.
 Alone it is host-dispatch bound for small inputs; `clis_kernel` (GPU) times the Triton forward with
@@ -114,7 +118,7 @@ def _clis_kernel(q, k, v, seg, causal, quick):
   return lambda: run(qp, kp, vp, segp, keys)
 
 
-CERTIFYING = {"clis": {}, "clis_blocks": dict(bound="blocks"), "clis_mgpu": dict(implementation="pallas_mgpu"),
+CERTIFYING = {"clis": {}, "clis_blocks": dict(bound="blocks"), "clis_radius": dict(bound="radius"), "clis_mgpu": dict(implementation="pallas_mgpu"),
               "clis_triton": dict(implementation="pallas_gpu")}
 
 
@@ -132,6 +136,7 @@ def implementations(names, platform, quick):
       "clis": lambda q, k, v, seg, causal: attention(q, k, v, seg, causal=causal, stabilizer="clis", **ours),
       "online": lambda q, k, v, seg, causal: attention(q, k, v, seg, causal=causal, stabilizer="online", **ours),
       "clis_blocks": lambda q, k, v, seg, causal: attention(q, k, v, seg, causal=causal, bound="blocks", **ours),
+      "clis_radius": lambda q, k, v, seg, causal: attention(q, k, v, seg, causal=causal, bound="radius", **ours),
       "xla": lambda q, k, v, seg, causal: attention(q, k, v, seg, causal=causal, implementation="xla"),
       "cudnn": lambda q, k, v, seg, causal: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
                                                                          implementation="cudnn"),

@@ -77,13 +77,25 @@ def test_gpu_default_is_the_mosaic_backend_on_hopper_where_it_applies(hopper, dt
     (plan.CERTIFY_FROM_MGPU - 1, None, "radius", plan.Mode.ONLINE), (plan.CERTIFY_FROM_MGPU, None, "radius",
                                                                       plan.Mode.KEYS),
     (2048, None, "blocks", plan.Mode.ONLINE), (2048, "pallas_mgpu", "radius", plan.Mode.KEYS),
-    (32768, None, "blocks", plan.Mode.BLOCKS)])
+    (32768, None, "blocks", plan.Mode.BLOCKS), (plan.BLOCKS_FROM_MGPU, None, None, plan.Mode.BLOCKS),
+    (plan.BLOCKS_FROM_MGPU - 1, None, None, plan.Mode.KEYS), (plan.BLOCKS_FROM_MGPU, "pallas_mgpu", None,
+                                                              plan.Mode.BLOCKS)])
 def test_automatic_plan_runs_short_rows_online_on_hopper(seq_len, implementation, bound, want):
   """implementation=None on Hopper: rows too short for the certificate to pay run the online loop; a
   backend named explicitly certifies at every length."""
   p = plan.make_plan(dtype=jnp.bfloat16, head_dim=128, seq_len=seq_len, bound=bound, implementation=implementation,
                      platform=plan.HOPPER)
   assert p.entry.name == "pallas_mgpu" and p.mode is want
+
+
+def test_automatic_bound_keeps_the_radius_where_the_block_kernel_does_not_run():
+  entry = plan.ENTRIES["pallas_mgpu"]
+  kw = dict(seq_len=plan.BLOCKS_FROM_MGPU, causal=True, packed=False, separate_ids=False, window_or_cap=False)
+  assert plan.automatic_bound(entry, **kw) == "blocks"
+  assert plan.automatic_bound(entry, **{**kw, "causal": False, "packed": True}) == "radius"  # segment means: XLA
+  assert plan.automatic_bound(entry, **{**kw, "separate_ids": True}) == "radius"
+  assert plan.automatic_bound(plan.ENTRIES["reference"], **kw) == "radius"
+  assert plan.automatic_bound(plan.ENTRIES["pallas_gpu"], **kw) == "radius"  # not measured on other GPUs
 
 
 @pytest.mark.parametrize("kwargs,message", [
