@@ -117,12 +117,13 @@ def _function(path: str, default: str):
   return getattr(_module(path), name)
 
 
-# Below this many keys the Mosaic GPU kernel's online loop beats its certified one with the pre-pass
-# (H200, B x S = 32k tokens: BENCHMARKS.md, issue 16), so implementation=None runs those calls online.
-CERTIFY_FROM_MGPU = 8192
-# From this many keys the block bound (its pre-pass kernel ~5% of the forward at 8k, ~3% at 32k) pays
-# on inputs shaped like a pretrained model's, where the one-radius bound certifies nothing; bound=None
-# takes it there when its kernel takes the call (same measurements).
+# Below this many keys certifying does not pay on every input (H200, B x S = 32k tokens, BENCHMARKS.md
+# issue 16: at causal 8k the one-radius bound gains 1.08x on Gaussian keys but loses 0.95x on sink/
+# outlier-shaped ones, where it certifies nothing, and the block bound runs ~0.97-1.00x on both), so
+# implementation=None runs shorter calls online; naming the backend certifies at every length.
+CERTIFY_FROM_MGPU = 16384
+# From this many keys the block bound pays on Gaussian and pretrained-like inputs alike (1.06-1.10x at
+# 16k-64k); bound=None takes it there where its kernel takes the call, the radius below.
 BLOCKS_FROM_MGPU = 16384
 
 REGISTRY: tuple[Entry, ...] = (

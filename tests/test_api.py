@@ -78,7 +78,7 @@ def test_gpu_default_is_the_mosaic_backend_on_hopper_where_it_applies(hopper, dt
                                                                       plan.Mode.KEYS),
     (2048, None, "blocks", plan.Mode.ONLINE), (2048, "pallas_mgpu", "radius", plan.Mode.KEYS),
     (32768, None, "blocks", plan.Mode.BLOCKS), (plan.BLOCKS_FROM_MGPU, None, None, plan.Mode.BLOCKS),
-    (plan.BLOCKS_FROM_MGPU - 1, None, None, plan.Mode.KEYS), (plan.BLOCKS_FROM_MGPU, "pallas_mgpu", None,
+    (plan.BLOCKS_FROM_MGPU - 1, "pallas_mgpu", None, plan.Mode.KEYS), (plan.BLOCKS_FROM_MGPU, "pallas_mgpu", None,
                                                               plan.Mode.BLOCKS)])
 def test_automatic_plan_runs_short_rows_online_on_hopper(seq_len, implementation, bound, want):
   """implementation=None on Hopper: rows too short for the certificate to pay run the online loop; a
