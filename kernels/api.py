@@ -92,8 +92,8 @@ def check_inputs(q, k, v, segment_ids, causal, stabilizer_name, granularity, tau
     raise ValueError(f"{granularity=} must be one of {GRANULARITIES}")
   if bound is not None and bound not in BOUNDS:
     raise ValueError(f"{bound=} must be one of {BOUNDS} or None (the plan's choice)")
-  if not tau > 0:
-    raise ValueError(f"{tau=} must be positive (natural-log units; default 64.0)")
+  if tau is not None and not tau > 0:
+    raise ValueError(f"{tau=} must be positive (natural-log units), or None for the dtype's default")
   if logits_soft_cap is not None and not (isinstance(logits_soft_cap, (int, float)) and logits_soft_cap > 0):
     raise ValueError(f"{logits_soft_cap=} must be a positive number (logits become c·tanh(s / c)) or None")
   if local_window_size is not None:
@@ -210,7 +210,7 @@ def _stabilizer_input(plan: plan_lib.Plan, qp, kp, vp, segp, *, causal, scale, t
 
 
 def attention(q, k, v, segment_ids=None, *, causal=True, scale=None, local_window_size=None, logits_soft_cap=None,
-              stabilizer="clis", granularity="tile", tau=64.0, bound=None, implementation=None, block_sizes=None,
+              stabilizer="clis", granularity="tile", tau=None, bound=None, implementation=None, block_sizes=None,
               backward_block_sizes=None, interpret=False, return_stats=False, platform=None):
   """CLiS attention. q [B, S, Hq, D]; k, v [B, S, Hkv, D] with Hq a multiple of Hkv.
 
@@ -220,12 +220,13 @@ def attention(q, k, v, segment_ids=None, *, causal=True, scale=None, local_windo
   local_window_size: jax.nn's: an int w (query i sees keys i − w .. i + w) or (left, right); with
     causal=True the right side is 0. Needs equal q and k lengths.
   logits_soft_cap: c, logits become c·tanh(s / c) (Gemma 2, tokamax); the certificate then holds
-    for every tile whenever c <= tau / 2 (stabilizer.py).
+    for every tile whenever c <= tau / 2 and within the dtype's h + T (stabilizer.py).
   stabilizer: "clis" (fixed certified stabilizer, online fallback per tile or head) or
     "online" (the same kernel's online softmax: the speed baseline).
   granularity: "tile" (batch, head, q-block) or "head" (batch, head) certification.
   tau: cap on the certified gap U − L between a row's bound and its lower bound, in
-    natural-log units (the dtype's own limit h + T from stabilizer.py applies too).
+    natural-log units (the dtype's own limit h + T from stabilizer.py applies too); None:
+    stabilizer.default_tau(q.dtype), 64 for f32, 128 for bf16/f16.
   bound: "radius" (one centre and per-tile radius from a K/V pre-pass; kernels certify in their
     prologue), "blocks" (per-block centres, exceptional keys scored exactly, the row's own block
     scored exactly: holds on sinks and RoPE-rotated outlier channels; a pre-pass over q and K,
@@ -272,7 +273,8 @@ def attention(q, k, v, segment_ids=None, *, causal=True, scale=None, local_windo
                                                        segment_ids)
   needs_kv_mask = kp.shape[1] != kv_seq_len and not causal and segment_ids is None
   static = _Static(plan, bool(causal), scale, kv_seq_len if needs_kv_mask else None, seq_len, window, softcap)
-  stab = _stabilizer_input(plan, qp, kp, vp, segp, causal=causal, scale=scale, tau=float(tau), granularity=granularity,
+  tau = certificate.default_tau(q.dtype) if tau is None else float(tau)
+  stab = _stabilizer_input(plan, qp, kp, vp, segp, causal=causal, scale=scale, tau=tau, granularity=granularity,
                            seq_len=seq_len, kv_seq_len=kv_seq_len, window=window, separate_ids=separate_ids,
                            softcap=softcap)
   out, tiles = _attend(static, qp, kp, vp, segp, stab)

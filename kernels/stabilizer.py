@@ -27,8 +27,10 @@ c is then the exact mean of the keys the row sees and L_i = σ₂·q_i·c (the X
 Block centres and exceptional keys (`certify_blocks`, attention(bound="blocks")). Pretrained
 models defeat one centre: an attention-sink key sets R for every row that sees it, and outlier
 channels that RoPE rotates along the sequence put every key far from any fixed c. Instead:
-  * exceptional keys E: per (batch, kv head), up to `budget` keys farther than `factor` × the
-    median key's distance from their block's centre; their logits t_ij are computed exactly;
+  * exceptional keys E: per (batch, kv head), the `budget` real keys farthest from their block's
+    centre; their logits t_ij are computed exactly (any key may be scored instead of bounded, so
+    every slot, which the kernel scores anyway, is used: no cut to tune, and a sink just above or
+    below a cut cannot flip a whole sequence's bound);
   * every key block u gets its own centre c_u (the mean of its ordinary keys) and radius
     r_u = max_{j∈u∖E} ‖k_j − c_u‖; by Cauchy–Schwarz t_ij ≤ σ₂(q_i·c_u + ‖q_i‖ r_u) for j ∈ u∖E, so
         U_i = max( max_{u visible to i} σ₂(q_i·c_u + ‖q_i‖ r_u),  max_{j∈E visible to i} t_ij ) ≥ max_j t_ij
@@ -49,8 +51,8 @@ whole prefix — a sink far behind the window no longer loosens the bound.
 Soft-capping. With logits c·tanh(s/c) every logit lies in (−c, c). The map x ↦ c·tanh(x/c) is
 monotone and 1-Lipschitz, so capping U and L bounds the capped row max from both sides and the
 gap cap(U) − cap(L) ≤ min(U − L, 2c): the certificate only gets easier. Every tile certifies,
-whatever q and k, once 2c·log2 e ≤ min(τ·log2 e, h + T), i.e. c ≤ τ/2 (32 at the default τ = 64,
-within bf16's h + T); Gemma 2's c = 50 certifies wherever the uncapped bound's gap is small enough.
+whatever q and k, once 2c·log2 e ≤ min(τ·log2 e, h + T), i.e. c ≤ τ/2 (32 at f32's default τ = 64,
+64 at bf16's τ = 128, within bf16's h + T): Gemma 2's c = 50 then certifies every bf16 tile.
 
 Stabilizer. The kernel uses M_i = max(L_i, U_i − h), so every weight is 2^(t − M) ≤ 2^h,
 and the dominant one is ≥ 1 when M_i = L_i. Taking L_i when it is larger keeps the
@@ -83,7 +85,12 @@ one exception: there the exact sum was slower, so it divides by the unrounded su
 path does (its tests bound the error by 1.25x the online path's).
 
 Certificate. A row passes when U_i − L_i ≤ min(τ·log2 e, h + T), τ being the user's cap in
-natural-log units. A tile (batch, head, q-block) is certified when all its real rows pass
+natural-log units. τ bounds |t − M| for the row's dominant terms (t_max − M ≥ h − (U − L)), and exp2
+rounds its input to f32 first, so a dominant weight carries a relative error of about
+|t − M|·2^-24·ln 2 (one ulp of the input): at τ = 64 nats (92 in base 2, ulp 2^-17) that is 5e-6, the
+level of f32 inputs, so f32 keeps τ = 64; 16-bit inputs round their weights to 2^-9 (bf16) before P·V,
+so their τ = 128 nats (185 in base 2, ulp 2^-16, 1e-5: 400x below bf16's rounding) costs them nothing
+and certifies the wide gaps of pretrained-like inputs (`default_tau`; BENCHMARKS.md, issue 16). A tile (batch, head, q-block) is certified when all its real rows pass
 (`granularity="tile"`); `granularity="head"` certifies a (batch, head) only if all its
 tiles pass. Uncertified tiles run the online softmax. Rows that see no key (padding,
 segment id 0) pass trivially: their output is 0 either way.
@@ -100,7 +107,8 @@ import jax.numpy as jnp
 from clis_kernels import masks
 
 LOG2E = math.log2(math.e)
-MEDIAN_SAMPLE = 1024  # keys per (batch, kv head) whose deviations set the exceptional cut
+TAU_F32 = 64.0  # nats: the default cap on U − L for f32 (and f64) inputs
+TAU_16BIT = 128.0  # nats: for bf16 / f16 inputs (f16 never certifies anyway: its h + T < 0)
 NEG = -1e30  # finite "minus infinity" for masked base-2 logits: exp2(NEG - finite) == 0
 EMPTY_LSE = 1e30  # saved lse of a row with no visible key: its backward weights are 0
 SAMPLED_BLOCKS = 32  # key blocks whose means give the centre (their median)
@@ -122,6 +130,11 @@ class Certificate:
   upper: jax.Array
   lower: jax.Array
   threshold: jax.Array
+
+
+def default_tau(dtype) -> float:
+  """τ when the caller passes None: 64 nats for 32/64-bit inputs, 128 for 16-bit ones (see above)."""
+  return TAU_16BIT if jnp.dtype(dtype).itemsize <= 2 else TAU_F32
 
 
 def _segment_index(segment_ids: jax.Array) -> jax.Array:
@@ -380,15 +393,14 @@ class BlockBounds:
   is_exceptional: jax.Array
 
 
-def block_bounds(k, segment_ids, *, block: int, seq_len: int, budget: int = 32, factor: float = 3.0) -> BlockBounds:
+def block_bounds(k, segment_ids, *, block: int, seq_len: int, budget: int = 32) -> BlockBounds:
   """Bounds that survive sinks and RoPE-rotated outlier channels.
 
   Each block gets its own centre, so a component that RoPE rotates slowly along the sequence (an
-  outlier channel's offset) moves with the centres instead of inflating one global radius. A key
-  far from its block's centre (an attention sink, a
-  delimiter) is exceptional (`factor` × the median key's distance: a statistic a few hundred sinks
-  cannot move): up to `budget` of them per (batch, kv head) leave the blocks and are
-  scored exactly, so one sink no longer sets the bound of every row that sees its block.
+  outlier channel's offset) moves with the centres instead of inflating one global radius. The
+  `budget` keys farthest from their block's centre per (batch, kv head) (attention sinks,
+  delimiters) leave the blocks and are scored exactly, so one sink no longer sets the bound of
+  every row that sees its block.
   """
   k = jax.lax.stop_gradient(k).astype(jnp.float32)
   batch, sk, hkv, d = k.shape
@@ -406,16 +418,12 @@ def block_bounds(k, segment_ids, *, block: int, seq_len: int, budget: int = 32, 
 
   keep = jnp.broadcast_to(valid, (batch, sk, hkv))
   _, dev, _ = stats(keep)
-  sample = slice(None, None, max(1, sk // MEDIAN_SAMPLE))  # keys spread evenly: a cheap median
-  cut = factor * jnp.nanmedian(jnp.where(keep, dev, jnp.nan)[:, sample], axis=1)  # [B, Hkv]: robust to many sinks
   score = jnp.where(keep, dev, -1.0).transpose(0, 2, 1)  # [B, Hkv, Sk]
   top, where = jax.lax.top_k(score, max(0, min(budget, sk)))
-  is_exceptional = top > cut[..., None]
-  # Blocks drop the keys strictly above both the cut and the budget's smallest listed deviation: all
-  # of them are listed (top_k) and exceptional, so every dropped key is scored exactly (a tie at the
-  # smallest listed value stays in its block: sound, at most scored twice).
-  floor = jnp.maximum(cut, top[..., -1] if top.shape[-1] else jnp.inf)  # [B, Hkv]
-  centres, _, radii = stats(keep & ~(dev > floor[:, None, :]))
+  is_exceptional = top >= 0.0  # real keys (padding scores -1)
+  drop = jnp.zeros((batch, hkv, sk), bool).at[
+      jnp.arange(batch)[:, None, None], jnp.arange(hkv)[None, :, None], where].max(is_exceptional)
+  centres, _, radii = stats(keep & ~drop.transpose(0, 2, 1))
   return BlockBounds(centres=centres, radii=radii, exceptional=where.astype(jnp.int32), is_exceptional=is_exceptional)
 
 

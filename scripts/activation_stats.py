@@ -120,7 +120,7 @@ def attention_stats(q, k, segment_ids, positions):
 @functools.partial(jax.jit, static_argnames="bound")
 def certified(q, k, v, segment_ids, bound):
   """Certified tile fraction per head [Hq] of the radius or the block bound (causal, the kernels' tau)."""
-  kw = dict(causal=True, scale=q.shape[-1] ** -0.5, tau=64.0, granularity="tile", block_q=CERT_TILE,
+  kw = dict(causal=True, scale=q.shape[-1] ** -0.5, tau=stabilizer.default_tau(q.dtype), granularity="tile", block_q=CERT_TILE,
             seq_len=q.shape[1])
   fn = stabilizer.certify if bound == "radius" else stabilizer.certify_blocks
   return fn(q, k, v, segment_ids, **kw).certified.mean((0, 2))

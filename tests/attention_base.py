@@ -389,7 +389,9 @@ class AttentionTests:
     for i, what in enumerate(("out", "dq", "dk", "dv")):
       assert errors["clis"][i] <= CLIS_VS_ONLINE * errors["online"][i], (what, errors)
     _, blocks = self.run(q, k, v, seg, causal=causal, bound="blocks", return_stats=True)
-    _, radius = self.run(q, k, v, seg, causal=causal, return_stats=True)
+    # The inputs defeat the one-radius bound (at f32's cap: at bf16's τ = 128 the short rows here
+    # leave some of its gaps under the cap; at 8k-32k it certifies none, BENCHMARKS.md issue 16).
+    _, radius = self.run(q, k, v, seg, causal=causal, bound="radius", tau=64.0, return_stats=True)
     assert float(blocks.certified_fraction) >= 0.95, float(blocks.certified_fraction)
     assert float(radius.certified_fraction) <= 0.5, float(radius.certified_fraction)
 

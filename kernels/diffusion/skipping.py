@@ -99,7 +99,7 @@ def _kept_tiles(skip):
 
 
 def attention(q, k, v, state: SkipState, *, thr, scale: float | None = None, block_sizes=None,
-              stabilizer_name: str = "clis", tau: float = 64.0, implementation: str | None = None,
+              stabilizer_name: str = "clis", tau: float | None = None, implementation: str | None = None,
               interpret: bool = False, platform=None):
   """Bidirectional attention that leaves out the tiles `state` marks and marks new ones.
 
@@ -126,6 +126,7 @@ def attention(q, k, v, state: SkipState, *, thr, scale: float | None = None, blo
                      "inputs and block sizes; make it with init_state(...)")
   keys = cert = None
   if plan.mode is not plan_lib.Mode.ONLINE:
+    tau = stabilizer.default_tau(q.dtype) if tau is None else tau
     keys = stabilizer.key_bounds(kp, vp, None, causal=False, tau=tau, block_q=bq, seq_len=kv_seq_len)
   if plan.mode is plan_lib.Mode.CERTIFICATE:  # kernels that do not certify in their prologue
     cert = stabilizer.certify_rows(qp, kp, None, keys, causal=False, scale=scale, granularity="tile", block_q=bq,
