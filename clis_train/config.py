@@ -24,9 +24,10 @@ from clis_train.errors import ConfigError
 # MaxText adapter read it): value -> what runs.
 ATTENTIONS = {
     "clis": "CLiS kernels, the platform's best backend (Mosaic GPU on Hopper, Triton on other NVIDIA GPUs, "
-            "Mosaic TPU, the XLA reference on CPU)",
+            "Mosaic TPU, the XLA reference on CPU); on Hopper the plan runs rows under 16k keys online "
+            "(certifying does not pay there on every input) and certifies longer ones with the block bound",
     "online": "the same kernels with flash attention's online softmax (the baseline CLiS replaces)",
-    "clis_mgpu": "CLiS, the Mosaic GPU kernels by name (Hopper only)",
+    "clis_mgpu": "CLiS, the Mosaic GPU kernels by name (Hopper only; certifies at every length)",
     "online_mgpu": "online softmax, the Mosaic GPU kernels by name (Hopper only)",
     "cudnn": "jax.nn.dot_product_attention(implementation='cudnn') (NVIDIA only)",
     "dot_product": "dense XLA attention (any platform; memory grows with seq_len^2)",
