@@ -42,7 +42,10 @@ channels that RoPE rotates along the sequence put every key far from any fixed c
 The rest of the certificate (M = max(L, U − h), pass when U − L ≤ min(τ·log2 e, h + T)) is unchanged.
 Slowly rotating components move with the block centres, a sink leaves its block, and the own-block
 scores pull L up to the local maximum that RoPE models attend to. The cost is a [S, num_blocks]
-product q·cᵀ and a [S, block] one (the row's block) per head, in XLA before the kernel.
+product q·cᵀ and a [S, block] one (the row's block) per head: `block_row_bounds` here in XLA, and
+on GPUs `pallas_gpu_bounds` on the tensor cores, with each centre rounded to q's dtype (ĉ_u) and its
+radius widened to r_u + ‖c_u − ĉ_u‖ + 2^-16‖ĉ_u‖ (the triangle inequality, then f32 accumulation over
+D ≤ 256 products), so the kernel's U stays an upper bound of the row max.
 
 Local windows. A row sees keys i − left ≤ j ≤ i + right only, its own among them, so L_i = t_ii,
 and a tile's radius R is the max of r_u over the key blocks its rows may see: a band, not the
