@@ -140,9 +140,9 @@ def _forward(static, q, k, v, segment_ids, stab):
   plan = static.plan
   kw = dict(causal=static.causal, scale=static.scale, kv_len=static.kv_len, block_sizes=plan.block_sizes,
             window=static.window, softcap=static.softcap, interpret=plan.interpret)
-  if plan.mode is plan_lib.Mode.KEYS:
-    return plan.backend.forward(q, k, v, segment_ids, None, keys=stab, seq_len=static.seq_len, **kw)
-  return plan.backend.forward(q, k, v, segment_ids, stab, **kw)  # a Certificate, or None (online)
+  if plan.mode is plan_lib.Mode.KEYS:  # the kernel certifies its rows: it needs the real query length
+    kw["seq_len"] = static.seq_len
+  return plan.backend.forward(q, k, v, segment_ids, stab, mode=plan.mode, **kw)
 
 
 def _attend_fwd(static, q, k, v, segment_ids, stab):

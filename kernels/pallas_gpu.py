@@ -22,6 +22,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from clis_kernels import masks
 from clis_kernels.common import dot_precision, out_struct
+from clis_kernels.plan import Mode, stabilizer_inputs
 from clis_kernels.stabilizer import (EMPTY_LSE, LOG2E, NEG, Certificate, KeyBounds, empty_rows, row_bounds, soft_cap,
                                      stabilize)
 
@@ -213,15 +214,16 @@ def _fwd_kernel(*refs, has_segments: bool, mode: str, causal: bool, sigma2: floa
   write_outputs(acc, m, l, certified, o_ref, lse_ref, tiles_ref)
 
 
-def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv_len, block_sizes: BlockSizes,
-            keys: KeyBounds | None = None, seq_len: int | None = None, window=None, softcap=None, interpret=False):
+def forward(q, k, v, segment_ids, stab: KeyBounds | Certificate | None, *, mode: Mode, causal, scale, kv_len,
+            block_sizes: BlockSizes, seq_len: int | None = None, window=None, softcap=None, interpret=False):
   """Returns (o [B, S, Hq, D], lse [B, Hq, S] f32 base 2, certified tiles [B, Hq, nq] bool or None).
 
-  The stabilizer comes from `cert` (XLA pre-pass) or, preferably, `keys` (the kernel
-  certifies each tile from its own rows); neither runs the online softmax. window: local
-  (left, right) or None; softcap: c of c·tanh(s / c) or None. seq_len: the
-  real query length (rows past it are block padding), needed with `keys`.
+  mode (plan.Mode) names the stabilizer: KEYS, stab the K/V pre-pass (the kernel certifies each tile
+  from its own rows); CERTIFICATE or BLOCKS, stab an XLA pre-pass's Certificate; ONLINE, None (the
+  online softmax). window: local (left, right) or None; softcap: c of c·tanh(s / c) or None.
+  seq_len: the real query length (rows past it are block padding), needed with KEYS.
   """
+  keys, cert = stabilizer_inputs(stab, mode)
   batch, seq, num_heads, head_dim = q.shape
   group = num_heads // k.shape[2]
   bq = block_sizes.block_q
@@ -229,8 +231,6 @@ def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv
   if head_dim != padded_head_dim(head_dim):
     raise ValueError(f"{head_dim=} must be a power of two >= 16 for pallas_gpu.forward; "
                      "clis_kernels.attention pads other head dims (padded_head_dim)")
-  if cert is not None and keys is not None:
-    raise ValueError("pass the stabilizer as cert or as keys, not both")
   # Grid (q tile, batch, head); causal tiles run last-first so the longest start early.
   qmap = (lambda i, b, h: (b, nq - 1 - i, h, 0)) if causal else (lambda i, b, h: (b, i, h, 0))
   rowmap = (lambda i, b, h: (b, h, nq - 1 - i)) if causal else (lambda i, b, h: (b, h, i))

@@ -41,6 +41,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from clis_kernels.mgpu_pipeline import COMPUTE_WARPGROUPS, cta_first_row, kv_blocks, stream_kv, swizzled
 from clis_kernels.common import out_struct
+from clis_kernels.plan import Mode, stabilizer_inputs
 from clis_kernels.stabilizer import EMPTY_LSE, LOG2E, Certificate, KeyBounds, row_bounds, stabilize
 
 HEAD_DIMS = (64, 128)
@@ -585,25 +586,24 @@ def _no_window_or_cap(window, softcap):
                      "implementation='pallas_gpu' (the default picks it when either is asked for)")
 
 
-def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv_len, block_sizes: BlockSizes,
-            keys: KeyBounds | None = None, seq_len: int | None = None, window=None, softcap=None, interpret=False):
+def forward(q, k, v, segment_ids, stab: KeyBounds | Certificate | None, *, mode: Mode, causal, scale, kv_len,
+            block_sizes: BlockSizes, seq_len: int | None = None, window=None, softcap=None, interpret=False):
   """Returns (o [B, S, Hq, D], lse [B, Hq, S] f32 base 2, certified tiles [B, Hq, S/64] or None).
 
-  The stabilizer comes from `keys` (the K/V pre-pass; each warpgroup certifies its rows in the
-  prologue, bidirectional packed rows against their segment's centre), from `cert` (the whole XLA pre-pass, for
-  granularity="head"), or neither (online).
+  mode (plan.Mode) names the stabilizer: KEYS, stab the K/V pre-pass (each warpgroup certifies its
+  rows in the prologue, bidirectional packed rows against their segment's centre); CERTIFICATE or
+  BLOCKS, stab an XLA pre-pass's Certificate (granularity="head", the block bound); ONLINE, None.
   S must be a multiple of block_sizes.multiple (the API pads with zeros, which the in-kernel
   certificate relies on: zero rows pass). seq_len: accepted for the API's call, not needed.
   """
-  if cert is not None and keys is not None:
-    raise ValueError("pass the stabilizer as cert or as keys, not both")
+  keys, cert = stabilizer_inputs(stab, mode)
   _no_window_or_cap(window, softcap)
   _check(q, k, cert, scale, interpret)
   batch, seq, num_heads, _ = q.shape
   bs = block_sizes
   if seq % bs.multiple or k.shape[1] % bs.multiple:
     raise ValueError(f"{bs.multiple=} must divide the padded lengths {q.shape[1]=} and {k.shape[1]=}")
-  mode = "keys" if keys is not None else "cert" if cert is not None else "online"
+  mode = {Mode.KEYS: "keys", Mode.ONLINE: "online"}.get(mode, "cert")  # the kernel's loops, by input
   row_centres = keys is not None and keys.centre.shape[1] != 1
   kernel = functools.partial(_kernel, config=_Config(
       mode=mode, causal=causal, sigma2=scale * LOG2E, block_q=bs.block_q, block_kv=bs.block_kv,

@@ -21,6 +21,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from clis_kernels import masks
 from clis_kernels.common import dot_precision, out_struct
+from clis_kernels.plan import Mode, stabilizer_inputs
 from clis_kernels.stabilizer import EMPTY_LSE, LOG2E, NEG, Certificate, empty_rows, soft_cap
 
 
@@ -208,10 +209,15 @@ def segment_operands(segment_ids: masks.SegmentIds):
   return segment_ids.q[:, :, None], segment_ids.kv[:, None, :]
 
 
-def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv_len, block_sizes: BlockSizes,
-            window=None, softcap=None, interpret=False):
+def forward(q, k, v, segment_ids, stab: Certificate | None, *, mode: Mode, causal, scale, kv_len,
+            block_sizes: BlockSizes, window=None, softcap=None, interpret=False):
   """Returns (o [B, S, Hq, D], lse [B, Hq, S] f32 base 2, cert.certified or None).
-  window: local (left, right) or None; softcap: c of c·tanh(s / c) or None."""
+  mode (plan.Mode): CERTIFICATE or BLOCKS, stab the XLA pre-pass's Certificate; ONLINE, None (this
+  kernel does not certify in its prologue: no KEYS). window: local (left, right) or None; softcap:
+  c of c·tanh(s / c) or None."""
+  if mode is Mode.KEYS:
+    raise ValueError("pallas_tpu.forward takes no Mode.KEYS: the plan certifies for it in XLA (Mode.CERTIFICATE)")
+  _, cert = stabilizer_inputs(stab, mode)
   batch, seq, num_heads, head_dim = q.shape
   group = num_heads // k.shape[2]
   bq, bk = block_sizes.block_q, block_sizes.block_k

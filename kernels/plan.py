@@ -29,6 +29,17 @@ class Mode(enum.Enum):
   BLOCKS = "blocks"  # an XLA pre-pass with the block bound (stabilizer.certify_blocks)
 
 
+def stabilizer_inputs(stab, mode: Mode):
+  """(keys, cert) a kernel takes in `mode`: stabilizer.KeyBounds for KEYS, a stabilizer.Certificate for
+  CERTIFICATE and BLOCKS, neither for ONLINE; anything else is an error naming what was expected."""
+  from clis_kernels import stabilizer  # the math module; plan.py itself stays free of kernels' imports
+  want = {Mode.KEYS: stabilizer.KeyBounds, Mode.CERTIFICATE: stabilizer.Certificate,
+          Mode.BLOCKS: stabilizer.Certificate, Mode.ONLINE: type(None)}[Mode(mode)]
+  if not isinstance(stab, want):
+    raise ValueError(f"{mode=} takes the stabilizer as {want.__name__}; got {type(stab).__name__}")
+  return (stab, None) if mode is Mode.KEYS else (None, stab)
+
+
 @dataclasses.dataclass(frozen=True)
 class Platform:
   name: str  # "cpu" | "gpu" | "tpu"

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from clis_kernels import masks
 from clis_kernels.common import dot_precision, varying_like
+from clis_kernels.plan import Mode, stabilizer_inputs
 from clis_kernels.stabilizer import EMPTY_LSE, LOG2E, NEG, Certificate, empty_rows, soft_cap
 
 
@@ -70,11 +71,15 @@ def _block_mask(segment_ids: masks.SegmentIds | None, start_k, block_k, num_q, *
   return jax.vmap(lambda qs, ks: masks.visible(q_pos, k_pos, qs, ks, **rule))(segment_ids.q, k_seg)
 
 
-def forward(q, k, v, segment_ids, cert: Certificate | None, *, causal, scale, kv_len, block_sizes, window=None,
-            softcap=None, interpret=False):
+def forward(q, k, v, segment_ids, stab: Certificate | None, *, mode: Mode, causal, scale, kv_len, block_sizes,
+            window=None, softcap=None, interpret=False):
   """Returns (o [B, S, Hq, D] in q.dtype, lse [B, Hq, S] f32 base 2, cert.certified or None).
+  mode (plan.Mode): CERTIFICATE or BLOCKS, stab the XLA pre-pass's Certificate; ONLINE, None.
   window: local (left, right) or None; softcap: c of c·tanh(s / c) or None."""
   del interpret
+  if mode is Mode.KEYS:
+    raise ValueError("reference.forward takes no Mode.KEYS: the plan certifies for it in XLA (Mode.CERTIFICATE)")
+  _, cert = stabilizer_inputs(stab, mode)
   o, lse, _ = forward_with_tiles(q, k, v, segment_ids, cert, causal=causal, scale=scale, kv_len=kv_len,
                                  block_sizes=block_sizes, window=window, softcap=softcap)
   return o, lse, None if cert is None else cert.certified

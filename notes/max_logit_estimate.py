@@ -21,6 +21,7 @@ import numpy as np
 jax.config.update("jax_enable_x64", True)
 
 from clis_kernels import attention, reference, stabilizer  # noqa: E402
+from clis_kernels.plan import Mode  # noqa: E402
 from clis_kernels.stabilizer import LOG2E, Certificate  # noqa: E402
 
 S, H, D = 1024, 2, 128
@@ -47,7 +48,7 @@ for amp in (1.0, 4.0):  # ordinary logits, and logits grown large (what QK-clip 
     for c in (-40.0, 0.0, 20.0, 60.0, 100.0, 150.0, 250.0):
       const = Certificate(m=jnp.full(shape, c * LOG2E, jnp.float32), certified=jnp.ones((1, H, S // 128), bool),
                           upper=jnp.zeros(shape), lower=jnp.zeros(shape), threshold=jnp.zeros((1, H)))
-      out, lse = reference.forward(qd, kd, vd, None, const, **kw)[:2]
+      out, lse = reference.forward(qd, kd, vd, None, const, mode=Mode.CERTIFICATE, **kw)[:2]
       out = np.asarray(out, np.float64)
       bad = int((~np.isfinite(out)).sum())
       empty = int((np.asarray(lse) >= stabilizer.EMPTY_LSE).sum())  # every weight underflowed: l = 0

@@ -113,7 +113,7 @@ def _clis_kernel(q, k, v, seg, causal, quick):
   keys = jax.jit(lambda k, v, s: stabilizer.key_bounds(k, v, s, causal=causal, tau=64.0, block_q=bs.tile,
                                                        seq_len=k.shape[1]))(kp, vp, segp)
   run = jax.jit(lambda q, k, v, s, keys: plan.backend.forward(
-      q, k, v, s, None, keys=keys, causal=causal, scale=q.shape[-1] ** -0.5, kv_len=kv_len, block_sizes=bs,
+      q, k, v, s, keys, mode=plan_lib.Mode.KEYS, causal=causal, scale=q.shape[-1] ** -0.5, kv_len=kv_len, block_sizes=bs,
       seq_len=q.shape[1], interpret=quick)[0])
   return lambda: run(qp, kp, vp, segp, keys)
 

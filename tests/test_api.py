@@ -191,3 +191,18 @@ def test_triton_kernels_lower_for_the_gpu(causal, packed, dtype):
   text = lower_for_h200(jax.grad(loss, argnums=(0, 1, 2)), q, k, k, seg)
   for name in ("clis_fwd", "clis_bwd_dq", "clis_bwd_dkv"):
     assert name in text
+
+
+def test_kernels_take_the_mode_and_refuse_a_stabilizer_that_does_not_match_it():
+  """Every backend's forward receives the plan's Mode; the stabilizer must be what that mode names."""
+  from clis_kernels import reference, stabilizer
+  q = jnp.zeros((1, 64, 2, 32), jnp.float32)
+  kw = dict(causal=True, scale=0.2, kv_len=None, block_sizes=reference.BlockSizes(32, 32))
+  out, _, tiles = reference.forward(q, q, q, None, None, mode=plan.Mode.ONLINE, **kw)
+  assert out.shape == q.shape and tiles is None
+  with pytest.raises(ValueError, match="Mode.CERTIFICATE.*takes the stabilizer as Certificate; got NoneType"):
+    reference.forward(q, q, q, None, None, mode=plan.Mode.CERTIFICATE, **kw)
+  keys = stabilizer.key_bounds(q, q, None, causal=True, tau=64.0, block_q=32, seq_len=64)
+  with pytest.raises(ValueError, match="reference.forward takes no Mode.KEYS"):
+    reference.forward(q, q, q, None, keys, mode=plan.Mode.KEYS, **kw)
+  assert plan.stabilizer_inputs(keys, plan.Mode.KEYS) == (keys, None)

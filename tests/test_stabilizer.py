@@ -17,6 +17,7 @@ import pytest
 
 from clis_kernels import reference_f64 as ref
 from clis_kernels import reference, stabilizer
+from clis_kernels.plan import Mode
 from clis_kernels.stabilizer import LOG2E, Certificate
 
 BLOCK_Q = 16
@@ -172,9 +173,9 @@ def test_forcing_past_the_floor_loses_accuracy_where_the_certificate_refuses():
   forced = Certificate(m=real.upper, certified=jnp.ones_like(real.certified), upper=real.upper, lower=real.lower,
                        threshold=real.threshold)
   kw = dict(causal=False, scale=scale, kv_len=None, block_sizes=bs)
-  forced_out = reference.forward(q, k, v, None, forced, **kw)[0]
-  online_out = reference.forward(q, k, v, None, None, **kw)[0]
-  real_out = reference.forward(q, k, v, None, real, **kw)[0]
+  forced_out = reference.forward(q, k, v, None, forced, mode=Mode.CERTIFICATE, **kw)[0]
+  online_out = reference.forward(q, k, v, None, None, mode=Mode.ONLINE, **kw)[0]
+  real_out = reference.forward(q, k, v, None, real, mode=Mode.CERTIFICATE, **kw)[0]
   online_err = ref.rel_err(online_out, want)
   assert ref.rel_err(real_out, want) == online_err  # refused: it ran the online path
   assert ref.rel_err(forced_out, want) > 10 * online_err  # and refusing was right
@@ -192,8 +193,8 @@ def test_certified_near_the_floor_is_as_accurate_as_online(gap_bits):
                               seq_len=q.shape[1])
     certified_any |= bool(cert.certified.any())
     kw = dict(causal=False, scale=scale, kv_len=None, block_sizes=reference.BlockSizes(16, 16))
-    errs["clis"].append(ref.rel_err(reference.forward(q, k, v, None, cert, **kw)[0], want))
-    errs["online"].append(ref.rel_err(reference.forward(q, k, v, None, None, **kw)[0], want))
+    errs["clis"].append(ref.rel_err(reference.forward(q, k, v, None, cert, mode=Mode.CERTIFICATE, **kw)[0], want))
+    errs["online"].append(ref.rel_err(reference.forward(q, k, v, None, None, mode=Mode.ONLINE, **kw)[0], want))
   assert certified_any
   assert np.mean(errs["clis"]) <= 1.25 * np.mean(errs["online"]), errs
 

@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from clis_kernels import attention, masks, pallas_gpu, stabilizer
+from clis_kernels.plan import Mode
 from clis_kernels.stabilizer import LOG2E, NEG
 from clis_bench import benchmarking
 
@@ -192,7 +193,7 @@ def main():
         "api_online": functools.partial(jax.jit(functools.partial(attention, causal=causal, stabilizer="online")), q, k, v),
         "prepass_key_bounds": functools.partial(key_bounds, k, v),
         "kernel_committed": functools.partial(jax.jit(lambda q, k, v, keys: pallas_gpu.forward(
-            q, k, v, None, None, keys=keys, causal=causal, scale=128 ** -0.5, kv_len=None,
+            q, k, v, None, keys, mode=Mode.KEYS, causal=causal, scale=128 ** -0.5, kv_len=None,
             block_sizes=pallas_gpu.default_block_sizes(128, c["s"], q.dtype))[0]), q, k, v, committed_keys),
     }
     grid = []

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from clis_kernels import pallas_mgpu, stabilizer
+from clis_kernels.plan import Mode
 from clis_bench import benchmarking
 from notes.experiments.mgpu_variants import case_inputs  # same inputs as the variants runs
 
@@ -47,7 +48,7 @@ def main():
       for name, c in (("clis", cert), ("online", None)):
         if overlap and name == "online":  # the online loop ignores overlap
           continue
-        f = jax.jit(lambda q, k, v, c, bs=bs: pallas_mgpu.forward(q, k, v, None, c, causal=causal, scale=scale,
+        f = jax.jit(lambda q, k, v, c, bs=bs: pallas_mgpu.forward(q, k, v, None, c, mode=Mode.CERTIFICATE if c is not None else Mode.ONLINE, causal=causal, scale=scale,
                                                                   kv_len=None, block_sizes=bs)[0])
         key = f"{name}_kv{bkv}_s{slots}{'' if pingpong else '_nopp'}{'_ovl' if overlap else ''}"
         try:

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from clis_kernels import attention, pallas_mgpu, stabilizer
+from clis_kernels.plan import Mode
 from clis_bench import benchmarking
 
 CASES = {"causal_S8192_H32_8": (8192, 32, 8, True), "bidir_S32768_H12": (32768, 12, 12, False)}
@@ -53,10 +54,10 @@ def main():
     cert, keys = certify(q, k, v), key_bounds(k, v)
     print(case, "certified fraction", float(cert.certified.mean()), flush=True)
 
-    def kernel(cert=None, keys=None):
-      f = jax.jit(lambda q, k, v, cert, keys: pallas_mgpu.forward(
-          q, k, v, None, cert, keys=keys, causal=causal, scale=scale, kv_len=None, block_sizes=bs, seq_len=s)[0])
-      return lambda: f(q, k, v, cert, keys)
+    def kernel(stab=None, mode=Mode.ONLINE):
+      f = jax.jit(lambda q, k, v, stab: pallas_mgpu.forward(
+          q, k, v, None, stab, mode=mode, causal=causal, scale=scale, kv_len=None, block_sizes=bs, seq_len=s)[0])
+      return lambda: f(q, k, v, stab)
 
     def api(stabilizer_name):
       f = jax.jit(lambda q, k, v: attention(q, k, v, causal=causal, stabilizer=stabilizer_name,
@@ -65,7 +66,7 @@ def main():
 
     # kernel alone: online loop, certified loop from the XLA certificate ("cert") or certifying in its
     # prologue from the K/V pre-pass ("keys", what the API runs); the API calls; the pre-passes alone
-    fns = {"online": kernel(), "clis_cert": kernel(cert=cert), "clis_keys": kernel(keys=keys),
+    fns = {"online": kernel(), "clis_cert": kernel(cert, Mode.CERTIFICATE), "clis_keys": kernel(keys, Mode.KEYS),
            "api_online": api("online"), "api_clis": api("clis"), "key_bounds": lambda: key_bounds(k, v),
            "certify": lambda: certify(q, k, v)}
     base = fns["online"]().astype(jnp.float32)
