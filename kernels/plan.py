@@ -238,8 +238,8 @@ def make_plan(*, dtype, head_dim: int, seq_len: int, stabilizer: str = "clis", b
               granularity: str = "tile", separate_ids: bool = False, window_or_cap: bool = False,
               skipping: bool = False, implementation: str | None = None, block_sizes=None,
               backward_block_sizes=None, interpret: bool = False, platform: Platform | None = None) -> Plan:
-  """The plan for one call. seq_len: the longer of the query and key lengths (tile heuristics);
-  bound None: `automatic_bound` (causal, packed: what the call is, for it)."""
+  """The plan for one call. seq_len: the longer of the query and key lengths (tile heuristics and
+  the length rules); bound None: `automatic_bound`, which reads causal and packed (segment ids given)."""
   platform = Platform.detect() if platform is None else platform
   call = Call(jnp.dtype(dtype), head_dim, window_or_cap, skipping, interpret)
   entry = choose(implementation, call, platform)
