@@ -2,7 +2,7 @@
 centre block size and exceptional-key budget on three pretrained-like families, and where the
 remaining slack is (true row max - L against U - true max, at 2k where the true max is cheap).
 
-  python3 notes/experiments/block_bound_ablation.py --out block_bound_ablation.json
+  python3 notes/experiments/block_bound_ablation.py --out block_bound_ablation.json [--tau 128]
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ from clis_kernels.stabilizer import LOG2E
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", default="block_bound_ablation.json")
+  parser.add_argument("--tau", type=float, default=64.0, help="nats (bf16's default is 128)")
   args = parser.parse_args()
   records = []
-  kw = dict(causal=True, scale=128 ** -0.5, tau=64.0, granularity="tile", block_q=64)
+  kw = dict(causal=True, scale=128 ** -0.5, tau=args.tau, granularity="tile", block_q=64)
   for family in ("sinks_many", "outlier_channels", "rope_5e5_wide"):
     q, k, v, _, seg = testing.inputs(family, 2, 8192, 32, 8, 128)
     for key_block, budget in ((64, 32), (32, 32), (16, 32), (16, 0), (16, 128)):
@@ -44,7 +45,7 @@ def main():
                         upper_minus_max_p50=float(np.median(nats(c.upper - true_max)))))
     print(json.dumps(records[-1]), flush=True)
   with open(args.out, "w") as f:
-    json.dump(dict(command="python3 notes/experiments/block_bound_ablation.py", device=jax.devices()[0].device_kind,
+    json.dump(dict(command=f"python3 notes/experiments/block_bound_ablation.py --tau {args.tau}", device=jax.devices()[0].device_kind,
                    jax_version=jax.__version__, date=datetime.date.today().isoformat(), records=records), f, indent=1)
 
 
