@@ -24,6 +24,13 @@ CASES = [
 ]
 
 
+# The benchmarks' shapes (scripts/bench_attention.py, scripts/gpu_check.py): q heads, kv heads, head dim
+# of the LLM case (Llama-3-8B's attention), and the video DiT's head dim (its head counts are a flag).
+# Their --quick suites run CASES above, so tests and benchmarks share one table.
+LLM_HEADS = (32, 8, 128)
+DIT_HEAD_DIM = 128
+
+
 def random_inputs(seed, batch, seq, hq, hkv, d, dtype, *, key_offset=0.5):
   """q, k, v, dout; keys share a common component, as in trained models."""
   kq, kk, kv, kd, kc = jax.random.split(jax.random.PRNGKey(seed), 5)

@@ -35,17 +35,17 @@ from clis_kernels import plan as plan_lib
 from clis_bench import benchmarking
 
 
-def _inputs(b, s, hq, hkv, d, packed, seed=0, family="gaussian"):
+def _inputs(b, s, hq, hkv, d, packed, seed=0, family="gaussian", dtype=jnp.bfloat16):
   """q, k, v, do, segment ids: Gaussian keys with a shared component, or one of clis_kernels.testing's
   families shaped like a pretrained model's activations (RoPE, sinks, outlier channels)."""
   if family != "gaussian":
     q, k, v, do, seg = testing.inputs(family, b, s, hq, hkv, d, seed=seed)
     return q, k, v, do, (seg if seg is not None or not packed else _inputs(b, s, hq, hkv, d, True, seed)[4])
   kq, kk, kv, kd, kc = jax.random.split(jax.random.PRNGKey(seed), 5)
-  q = jax.random.normal(kq, (b, s, hq, d), jnp.bfloat16)
-  k = (jax.random.normal(kk, (b, s, hkv, d)) + jax.random.normal(kc, (1, 1, hkv, d))).astype(jnp.bfloat16)
-  v = jax.random.normal(kv, (b, s, hkv, d), jnp.bfloat16)
-  do = jax.random.normal(kd, (b, s, hq, d), jnp.bfloat16)
+  q = jax.random.normal(kq, (b, s, hq, d), dtype)
+  k = (jax.random.normal(kk, (b, s, hkv, d)) + jax.random.normal(kc, (1, 1, hkv, d))).astype(dtype)
+  v = jax.random.normal(kv, (b, s, hkv, d), dtype)
+  do = jax.random.normal(kd, (b, s, hq, d), dtype)
   seg = None
   if packed:
     cuts = np.sort(np.random.default_rng(seed).choice(np.arange(1, s), 3, replace=False))
@@ -182,11 +182,10 @@ def implementations(names, platform, quick):
 
 def cases(args):
   if args.quick:
-    return [dict(case="quick_causal", b=1, s=128, hq=4, hkv=2, d=64, causal=True, packed=False, inputs="gaussian"),
-            dict(case="quick_causal_packed", b=1, s=128, hq=4, hkv=2, d=64, causal=True, packed=True,
-                 inputs="gaussian"),
-            dict(case="quick_bidir_outlier_channels", b=1, s=128, hq=4, hkv=2, d=64, causal=False, packed=False,
-                 inputs="outlier_channels")]
+    shared = [dict(case=name, b=b, s=s, hq=hq, hkv=hkv, d=d, dtype=dtype, causal=causal, packed=packed,
+                   inputs="gaussian") for name, b, s, hq, hkv, d, dtype, causal, packed in testing.CASES]
+    return shared + [dict(case="quick_bidir_outlier_channels", b=1, s=128, hq=4, hkv=2, d=64, causal=False,
+                          packed=False, inputs="outlier_channels")]
   out = []
   both = {"no": [False], "yes": [True], "both": [False, True]}
   batch = lambda s: max(1, args.tokens // s) if args.tokens else args.batch
@@ -196,13 +195,14 @@ def cases(args):
         for causal in both[args.causal]:
           for packed in both[args.packed]:
             name = f"llm_{'causal' if causal else 'bidir'}{'_packed' if packed else ''}_S{s}"
-            out.append(dict(case=name if family == "gaussian" else f"{name}_{family}", b=batch(s), s=s, hq=32, hkv=8,
-                            d=128, causal=causal, packed=packed, inputs=family))
+            hq, hkv, d = testing.LLM_HEADS
+            out.append(dict(case=name if family == "gaussian" else f"{name}_{family}", b=batch(s), s=s, hq=hq, hkv=hkv,
+                            d=d, causal=causal, packed=packed, inputs=family))
   if args.suite in ("dit", "all"):
     for h in args.dit_heads:
       for s in args.dit_seq_lens:
-        out.append(dict(case=f"dit_bidir_H{h}_S{s}", b=batch(s), s=s, hq=h, hkv=h, d=128, causal=False, packed=False,
-                        inputs="gaussian"))
+        out.append(dict(case=f"dit_bidir_H{h}_S{s}", b=batch(s), s=s, hq=h, hkv=h, d=testing.DIT_HEAD_DIM,
+                        causal=False, packed=False, inputs="gaussian"))
   return out
 
 
@@ -240,7 +240,8 @@ def main():
   meta = benchmarking.device_meta()
   records = []
   for c in cases(args):
-    q, k, v, do, seg = _inputs(c["b"], c["s"], c["hq"], c["hkv"], c["d"], c["packed"], family=c["inputs"])
+    q, k, v, do, seg = _inputs(c["b"], c["s"], c["hq"], c["hkv"], c["d"], c["packed"], family=c["inputs"],
+                               dtype=c.get("dtype", jnp.bfloat16))
     variants = {}
     for name, f in fns.items():
       if name == "xla" and c["b"] * c["hq"] * c["s"] ** 2 * 4 / 2**30 > args.xla_max_gb:

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from clis_kernels import attention, pallas_gpu, stabilizer
+from clis_kernels import attention, pallas_gpu, stabilizer, testing
 
 
 def rel(a, b):
@@ -173,8 +173,8 @@ def main():
       name = f"{'causal' if causal else 'bidir'}{'_packed' if packed else ''}_S{s}_D{d}_G{hq // hkv}_{jnp.dtype(dt).name}"
       records += check_case(name, b, s, hq, hkv, d, dt, causal, packed, seed=i)
   records += check_shard_map_and_sink()
-  records += check_case("issue_causal_S8192_H32_8_D128", 1, 8192, 32, 8, 128, jnp.bfloat16, True, False, seed=99)
-  records += bench(1, 8192, 32, 8, 128, True, args.repeats, args.inner)
+  records += check_case("issue_causal_S8192_H32_8_D128", 1, 8192, *testing.LLM_HEADS, jnp.bfloat16, True, False, seed=99)
+  records += bench(1, 8192, *testing.LLM_HEADS, True, args.repeats, args.inner)
   for r in records:
     r.update(meta)
     r["pass"] = r.pop("pass_")
