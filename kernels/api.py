@@ -188,10 +188,11 @@ def _xla_attention(q, k, v, segment_ids: masks.SegmentIds | None, *, causal, sca
   return out
 
 
-def _stabilizer_input(plan: plan_lib.Plan, qp, kp, vp, segp, *, causal, scale, tau, granularity, seq_len, kv_seq_len,
+def stabilizer_input(plan: plan_lib.Plan, qp, kp, vp, segp, *, causal, scale, tau, granularity, seq_len, kv_seq_len,
                       window, separate_ids, softcap):
   """What the plan's mode hands the kernel: KeyBounds (the kernel certifies), a Certificate (an XLA
-  pre-pass certified), or None (online)."""
+  pre-pass certified), or None (online). qp, kp, vp, segp: padded to plan.multiple, segp a SegmentIds
+  or None (public for the benchmarks, which time this pre-pass alone)."""
   if plan.mode is plan_lib.Mode.ONLINE:
     return None
   if plan.mode is plan_lib.Mode.BLOCKS:
@@ -274,7 +275,7 @@ def attention(q, k, v, segment_ids=None, *, causal=True, scale=None, local_windo
   needs_kv_mask = kp.shape[1] != kv_seq_len and not causal and segment_ids is None
   static = _Static(plan, bool(causal), scale, kv_seq_len if needs_kv_mask else None, seq_len, window, softcap)
   tau = certificate.default_tau(q.dtype) if tau is None else float(tau)
-  stab = _stabilizer_input(plan, qp, kp, vp, segp, causal=causal, scale=scale, tau=tau, granularity=granularity,
+  stab = stabilizer_input(plan, qp, kp, vp, segp, causal=causal, scale=scale, tau=tau, granularity=granularity,
                            seq_len=seq_len, kv_seq_len=kv_seq_len, window=window, separate_ids=separate_ids,
                            softcap=softcap)
   out, tiles = _attend(static, qp, kp, vp, segp, stab)

@@ -82,24 +82,15 @@ def _plan(q, quick, implementation=None, bound="radius"):
 
 
 def _prepass(q, k, v, seg, causal, quick, implementation=None, bound="radius"):
-  """The pre-pass of the `clis` call: K/V only where the kernel certifies its tiles (Mode.KEYS),
-  else the whole certificate (the block bound's with the plan's (U, L) kernel), at the plan's tile
+  """The pre-pass of the `clis` call exactly as `attention` runs it (api.stabilizer_input): K/V only
+  where the kernel certifies its tiles (Mode.KEYS), else the whole certificate, at the plan's tile
   and padding."""
   plan = _plan(q, quick, implementation, bound)
   pad = lambda x: api.pad_seq(x, plan.multiple)
-  if plan.mode is plan_lib.Mode.BLOCKS:
-    segp = None if seg is None else pad(seg)
-    kernel = plan.row_bounds_kernel(causal=causal, packed=seg is not None, window=None, separate_ids=False,
-                                    same_length=True)
-    return stabilizer.certify_blocks(pad(q), pad(k), pad(v), segp, causal=causal, scale=q.shape[-1] ** -0.5, tau=64.0,
-                                     granularity="tile", block_q=plan.tile, seq_len=q.shape[1],
-                                     row_bounds_kernel=kernel)
-  if plan.mode is plan_lib.Mode.KEYS:
-    return stabilizer.key_bounds(pad(k), pad(v), None if seg is None else pad(seg), causal=causal, tau=64.0,
-                                 block_q=plan.tile, seq_len=k.shape[1])
-  return stabilizer.certify(pad(q), pad(k), pad(v), None if seg is None else pad(seg), causal=causal,
-                            scale=q.shape[-1] ** -0.5, tau=64.0, granularity="tile", block_q=plan.tile,
-                            seq_len=q.shape[1])
+  segp = None if seg is None else masks.SegmentIds(pad(seg), pad(seg))
+  return api.stabilizer_input(plan, pad(q), pad(k), pad(v), segp, causal=causal, scale=q.shape[-1] ** -0.5,
+                              tau=stabilizer.default_tau(q.dtype), granularity="tile", seq_len=q.shape[1],
+                              kv_seq_len=k.shape[1], window=None, separate_ids=False, softcap=None)
 
 
 def _clis_kernel(q, k, v, seg, causal, quick):
