@@ -148,7 +148,7 @@ REGISTRY: tuple[Entry, ...] = (
           row_bounds="pallas_gpu_bounds"),
     Entry("pallas_tpu", 20, ("tpu",), "pallas_tpu", "pallas_tpu_vjp", False, skip="diffusion.pallas_tpu_skip"),
     Entry("reference", 0, ("cpu", "gpu", "tpu"), "reference", "reference", False,
-          skip="reference:forward_with_tiles"),  # pure JAX: interpret=True changes nothing
+          skip="diffusion.tile_lists:reference_forward"),  # pure JAX: interpret=True changes nothing
 )
 ENTRIES = {e.name: e for e in REGISTRY}
 IMPLEMENTATIONS = (*ENTRIES, "xla")

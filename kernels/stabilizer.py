@@ -511,18 +511,22 @@ def block_row_bounds(q, k, segment_ids, bounds: BlockBounds, *, causal: bool, sc
   return to_heads(upper), to_heads(lower)
 
 
+# Keys per block centre of the block bound. Smaller blocks track rotating components (RoPE'd outlier channels)
+# more closely; larger ones cost fewer centre products per row (BENCHMARKS.md, issue 16, has both measured).
+KEY_BLOCK = 16
+
+
 def certify_blocks(q, k, v, segment_ids, *, causal: bool, scale: float, tau: float, granularity: str, block_q: int,
                    seq_len: int, kv_seq_len: int | None = None, window=None, separate_ids: bool = False,
                    softcap: float | None = None, budget: int = 32, key_block: int | None = None,
                    row_bounds_kernel=None) -> Certificate:
   """The certificate from block centres and exceptional keys (`block_bounds`, `block_row_bounds`);
   the same Certificate as `certify`, so every kernel's "cert" mode takes it. key_block: keys per
-  centre (default 16: smaller blocks track rotating components more closely; the measured effect is
-  in BENCHMARKS.md, issue 16). row_bounds_kernel: a kernel computing block_row_bounds's (U, L)
+  centre (default KEY_BLOCK, at most block_q). row_bounds_kernel: a kernel computing block_row_bounds's (U, L)
   without a cap (pallas_gpu_bounds.row_bounds), or None for the XLA statement here."""
   segment_ids = masks.segment_ids_of(segment_ids)
   kv_seq_len = seq_len if kv_seq_len is None else kv_seq_len
-  key_block = min(16, block_q) if key_block is None else key_block
+  key_block = min(KEY_BLOCK, block_q) if key_block is None else key_block
   bounds = block_bounds(k, segment_ids, block=key_block, seq_len=kv_seq_len, budget=budget)
   cap2 = None if softcap is None else softcap * LOG2E
   if row_bounds_kernel is None:

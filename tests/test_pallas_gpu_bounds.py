@@ -32,16 +32,18 @@ def exact_row_max(q, k, seg, causal, scale, kv_len):
   return np.where(ok, s, -np.inf).max(-1)
 
 
-@pytest.mark.parametrize("dtype,heads", [(jnp.bfloat16, 2), (jnp.float32, 1)])
+@pytest.mark.parametrize("dtype,heads,key_block", [(jnp.bfloat16, 2, KEY_BLOCK), (jnp.float32, 1, KEY_BLOCK),
+                                                   (jnp.bfloat16, 2, BLOCK_Q)])
 @pytest.mark.parametrize("family,causal", [("sink0", True), ("sinks_many", True), ("packed_sinks", True),
                                            ("outlier_channels", False), ("sinks_many", False)])
-def test_kernel_bounds_match_xla_and_hold(family, causal, dtype, heads):
+def test_kernel_bounds_match_xla_and_hold(family, causal, dtype, heads, key_block):
+  """Centres of 16 keys, and of a whole query tile's worth (the largest certify_blocks uses)."""
   q, k, _, _, seg = testing.inputs(family, 2, 128, 4, 2, 64, dtype=dtype)
   kv_len = 128 if causal else 120  # bidirectional: the last keys are block padding
   seg = segment_ids_of(seg)
   scale = 1 / math.sqrt(64)
-  bounds = stabilizer.block_bounds(k, seg, block=KEY_BLOCK, seq_len=kv_len, budget=8)
-  kw = dict(causal=causal, scale=scale, block=KEY_BLOCK, kv_len=kv_len)
+  bounds = stabilizer.block_bounds(k, seg, block=key_block, seq_len=kv_len, budget=8)
+  kw = dict(causal=causal, scale=scale, block=key_block, kv_len=kv_len)
   upper, lower = pallas_gpu_bounds.row_bounds(q, k, seg, bounds, block_sizes=pallas_gpu_bounds.BlockSizes(rows=BLOCK_Q, heads=heads, centres=16),
                                               interpret=True, **kw)
   ref_upper, ref_lower = stabilizer.block_row_bounds(q, k, seg, bounds, own_block=BLOCK_Q, **kw)

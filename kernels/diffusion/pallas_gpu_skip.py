@@ -25,6 +25,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from clis_kernels import masks
+from clis_kernels.diffusion.tile_lists import kept_tiles
+from clis_kernels.plan import Mode, stabilizer_inputs
 from clis_kernels.common import dot_precision
 from clis_kernels.pallas_gpu import (SUM_COLUMNS, BlockSizes, certify_tile, fixed_sum, fixed_update, online_update,
                                       write_outputs)
@@ -82,8 +84,23 @@ def _kernel(q_ref, k_ref, v_ref, visit_ref, count_ref, *refs, certify: bool, tra
   log2_l_ref[...] = jnp.broadcast_to(jnp.min(jnp.where(row_real & ~empty, jnp.log2(l_safe), jnp.inf)), (1,))
 
 
-def forward(q, k, v, visit, count, keys: KeyBounds | None, *, scale: float, kv_len: int | None, seq_len: int,
+def forward(q, k, v, skip, stab, *, mode: Mode, scale: float, kv_len: int | None, seq_len: int,
             block_sizes: BlockSizes, track: bool, interpret: bool = False):
+  """The skip-forward contract of kernels/diffusion (skipping.py calls every backend's so): q, k, v padded to whole tiles ([B, S, H, D], [B, Sk, Hkv, D]); skip [B, H, nq, nk] bool (SkipState.skip);
+  stab as plan.stabilizer_inputs takes it for `mode`
+  (KeyBounds or None: this kernel certifies in its prologue). Returns (o, gap [B, H, nq, nk], log2_l [B, H, nq])."""
+  if mode not in (Mode.KEYS, Mode.ONLINE):
+    raise ValueError(f"the Triton skip kernel certifies each tile itself: {mode=} must be Mode.KEYS or Mode.ONLINE")
+  keys, _ = stabilizer_inputs(stab, mode)
+  nk = skip.shape[-1]
+  visit, count = kept_tiles(skip, width=max(16, 1 << (nk - 1).bit_length()))
+  o, _, _, gap, log2_l = forward_listed(q, k, v, visit, count, keys, scale=scale, kv_len=kv_len, seq_len=seq_len,
+                                        block_sizes=block_sizes, track=track, interpret=interpret)
+  return o, gap[..., :nk], log2_l
+
+
+def forward_listed(q, k, v, visit, count, keys: KeyBounds | None, *, scale: float, kv_len: int | None, seq_len: int,
+                   block_sizes: BlockSizes, track: bool, interpret: bool = False):
   """Bidirectional attention over listed kv tiles (tile = block_q × block_k_fixed).
 
   q [B, S, H, D], k/v [B, Sk, Hkv, D] (padded to whole tiles); visit [B, H, nq, nk_pad] int32

@@ -25,6 +25,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from clis_kernels.common import dot_precision, out_struct
+from clis_kernels.diffusion.tile_lists import kept_tiles
+from clis_kernels.plan import Mode, stabilizer_inputs
 from clis_kernels.pallas_tpu import (BlockSizes, compiler_params, finish, interpret_mode, nt_dot, tile_update,
                                      to_head_major)
 from clis_kernels.stabilizer import LOG2E, NEG, Certificate
@@ -68,8 +70,22 @@ def _kernel(visit_ref, count_ref, cert_ref, q_ref, k_ref, v_ref, m_in_ref, o_ref
     log2_l_ref[...] = jnp.full(log2_l_ref.shape, jnp.min(jnp.where(row_real & ~empty, jnp.log2(l_safe), jnp.inf)))
 
 
-def forward(q, k, v, visit, count, cert: Certificate | None, *, scale: float, kv_len: int | None, seq_len: int,
+def forward(q, k, v, skip, stab, *, mode: Mode, scale: float, kv_len: int | None, seq_len: int,
             block_sizes: BlockSizes, track: bool, interpret: bool = False):
+  """The skip-forward contract of kernels/diffusion (skipping.py calls every backend's so): q, k, v padded to whole tiles ([B, S, H, D], [B, Sk, Hkv, D]); skip [B, H, nq, nk] bool (SkipState.skip);
+  stab as plan.stabilizer_inputs takes it for `mode`
+  (the XLA pre-pass's Certificate, or None). Returns (o, gap [B, H, nq, nk], log2_l [B, H, nq])."""
+  if mode is Mode.KEYS:
+    raise ValueError(f"the Mosaic TPU skip kernel takes the XLA certificate: {mode=} must not be Mode.KEYS")
+  _, cert = stabilizer_inputs(stab, mode)
+  visit, count = kept_tiles(skip)
+  o, _, gap, log2_l = forward_listed(q, k, v, visit, count, cert, scale=scale, kv_len=kv_len, seq_len=seq_len,
+                                     block_sizes=block_sizes, track=track, interpret=interpret)
+  return o, gap, log2_l
+
+
+def forward_listed(q, k, v, visit, count, cert: Certificate | None, *, scale: float, kv_len: int | None,
+                   seq_len: int, block_sizes: BlockSizes, track: bool, interpret: bool = False):
   """Bidirectional attention over listed kv tiles (tile = block_q × block_k).
 
   q [B, S, H, D], k/v [B, Sk, Hkv, D] (padded to whole tiles); visit [B, H, nq, nk] int32, a

@@ -32,9 +32,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from clis_kernels import api, masks, pallas_gpu, stabilizer
+from clis_kernels import api, stabilizer
 from clis_kernels import plan as plan_lib
-from clis_kernels.stabilizer import NEG
 
 
 @jax.tree_util.register_dataclass
@@ -58,10 +57,9 @@ class SkipStats:
 
 
 def tiles(block_sizes) -> tuple[int, int]:
-  """(block_q, block_k) of the skip grid: the kernel's q tile and the step of its kv loop."""
-  if isinstance(block_sizes, pallas_gpu.BlockSizes):
-    return block_sizes.block_q, block_sizes.block_k_fixed
-  return block_sizes.block_q, block_sizes.block_k
+  """(block_q, block_k) of the skip grid: the kernel's q tile and the step of its kv loop (the Triton
+  kernels' certified loop steps by block_k_fixed)."""
+  return block_sizes.block_q, getattr(block_sizes, "block_k_fixed", block_sizes.block_k)
 
 
 def init_state(batch: int, heads: int, seq_len: int, block_sizes) -> SkipState:
@@ -92,12 +90,6 @@ def _within_budget(candidates, bound, skip, thr):
   return candidates & (rank < allowed)
 
 
-def _kept_tiles(skip):
-  """What the skip kernels walk: (visit [B, H, nq, nk] int32, kept kv tiles first, in order; count
-  [B, H, nq], how many are kept)."""
-  return jnp.argsort(skip, axis=-1, stable=True).astype(jnp.int32), (~skip).sum(-1).astype(jnp.int32)
-
-
 def attention(q, k, v, state: SkipState, *, thr, scale: float | None = None, block_sizes=None,
               stabilizer_name: str = "clis", tau: float | None = None, implementation: str | None = None,
               interpret: bool = False, platform=None):
@@ -112,9 +104,10 @@ def attention(q, k, v, state: SkipState, *, thr, scale: float | None = None, blo
   """
   api.check_inputs(q, k, v, None, False, stabilizer_name, "tile", tau)
   plan = plan_lib.make_plan(dtype=q.dtype, head_dim=q.shape[-1], seq_len=max(q.shape[1], k.shape[1]),
-                            stabilizer=stabilizer_name, skipping=True, implementation=implementation,
-                            block_sizes=block_sizes, interpret=interpret, platform=platform)
-  bs, name, skip_forward = plan.block_sizes, plan.entry.name, plan.backend.skip_forward
+                            stabilizer=stabilizer_name, bound="radius", causal=False, skipping=True,
+                            implementation=implementation, block_sizes=block_sizes, interpret=interpret,
+                            platform=platform)
+  bs = plan.block_sizes
   scale = float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1])
   bq, bk = tiles(bs)
   seq_len, kv_seq_len = q.shape[1], k.shape[1]
@@ -124,35 +117,13 @@ def attention(q, k, v, state: SkipState, *, thr, scale: float | None = None, blo
   if state.skip.shape != (q.shape[0], q.shape[2], nq, nk):
     raise ValueError(f"state.skip.shape={state.skip.shape} must be {(q.shape[0], q.shape[2], nq, nk)} for these "
                      "inputs and block sizes; make it with init_state(...)")
-  keys = cert = None
-  if plan.mode is not plan_lib.Mode.ONLINE:
-    tau = stabilizer.default_tau(q.dtype) if tau is None else tau
-    keys = stabilizer.key_bounds(kp, vp, None, causal=False, tau=tau, block_q=bq, seq_len=kv_seq_len)
-  if plan.mode is plan_lib.Mode.CERTIFICATE:  # kernels that do not certify in their prologue
-    cert = stabilizer.certify_rows(qp, kp, None, keys, causal=False, scale=scale, granularity="tile", block_q=bq,
-                                   seq_len=seq_len)
+  tau = stabilizer.default_tau(q.dtype) if tau is None else tau
+  stab = api.stabilizer_input(plan, qp, kp, vp, None, causal=False, scale=scale, tau=tau, granularity="tile",
+                              seq_len=seq_len, kv_seq_len=kv_seq_len, window=None, separate_ids=False, softcap=None)
   track = not isinstance(thr, (int, float)) or thr > -math.inf
-
-  if name == "reference":
-    out, _, (gap_rows, log2_l_rows) = skip_forward(
-        qp, kp, vp, None, cert, causal=False, scale=scale, kv_len=kv_len, block_sizes=bs, tile_skip=state.skip,
-        tile_gap=True)
-    real = masks.query_is_real(None, qp.shape[1], seq_len)[0][None, None, :]
-    per_tile = lambda x: x.reshape(x.shape[0], x.shape[1], nq, bq, *x.shape[3:])
-    gap = per_tile(jnp.where(real[..., None], gap_rows, NEG)).max(axis=3)
-    log2_l = per_tile(jnp.where(real, log2_l_rows, jnp.inf)).min(axis=3)
-  elif name == "pallas_tpu":
-    visit, count = _kept_tiles(state.skip)
-    out, _, gap, log2_l = skip_forward(qp, kp, vp, visit, count, cert, scale=scale, kv_len=kv_len, seq_len=seq_len,
-                                       block_sizes=bs, track=track, interpret=interpret)
-  else:  # pallas_gpu: certifies each tile from `keys` in its prologue
-    visit, count = _kept_tiles(state.skip)
-    nk_pad = max(16, 1 << (nk - 1).bit_length())
-    visit = jnp.pad(visit, [(0, 0)] * 3 + [(0, nk_pad - nk)])
-    out, _, _, gap, log2_l = skip_forward(qp, kp, vp, visit, count, keys if plan.mode is plan_lib.Mode.KEYS else None,
-                                          scale=scale, kv_len=kv_len, seq_len=seq_len, block_sizes=bs, track=track,
-                                          interpret=interpret)
-    gap = gap[..., :nk]
+  out, gap, log2_l = plan.backend.skip_forward(qp, kp, vp, state.skip, stab, mode=plan.mode, scale=scale,
+                                               kv_len=kv_len, seq_len=seq_len, block_sizes=bs, track=track,
+                                               interpret=interpret)
 
   new_marks = jnp.zeros_like(state.skip)
   if track:
