@@ -32,7 +32,7 @@ BOUNDS = ("radius", "blocks")
 class AttentionStats:
   """What the certificate decided.
 
-  certified_tiles: [B, Hq, num_q_blocks] bool, tile ran the fixed stabilizer.
+  certified_tiles: [B, Hq, ceil(Sq / tile)] bool, tile ran the fixed stabilizer.
   certified_fraction: scalar, fraction of certified tiles.
   certified_fraction_per_head: [Hq], the same per query head.
   """
@@ -282,7 +282,7 @@ def attention(q, k, v, segment_ids=None, *, causal=True, scale=None, local_windo
   out = out[:, :seq_len, :, :q.shape[-1]]
   if not return_stats:
     return out
-  if tiles is None:
-    tiles = jnp.zeros((q.shape[0], q.shape[2], qp.shape[1] // plan.tile), bool)
+  real_tiles = -(-seq_len // plan.tile)  # tiles of padding rows only are not reported
+  tiles = jnp.zeros((q.shape[0], q.shape[2], real_tiles), bool) if tiles is None else tiles[..., :real_tiles]
   frac = tiles.astype(jnp.float32)
   return out, AttentionStats(tiles, frac.mean(), frac.mean(axis=(0, 2)))

@@ -145,6 +145,17 @@ def test_stats_report_fractions_per_head():
   assert float(online.certified_fraction) == 0.0
 
 
+@pytest.mark.parametrize("stabilizer", ["clis", "online"])
+def test_stats_cover_the_real_tiles_only(stabilizer):
+  """Lengths padded past a whole tile (here 80 rows padded to 128 for 64-key blocks): the tiles of padding
+  rows only are not reported, so the fraction is over real tiles (the H200 run found them in the stats)."""
+  q, k, v, _ = random_inputs(3, 1, 80, 2, 1, 64, jnp.float32)
+  _, stats = attention(q, k, v, causal=True, stabilizer=stabilizer, return_stats=True,
+                       block_sizes=reference.BlockSizes(32, 64))
+  assert stats.certified_tiles.shape == (1, 2, 3)
+  assert float(stats.certified_fraction) == (1.0 if stabilizer == "clis" else 0.0)
+
+
 SMALL_TILES = {
     "reference": reference.BlockSizes(16, 16),
     "pallas_tpu": pallas_tpu.BlockSizes(16, 16, 16, 16, 16, 16),
