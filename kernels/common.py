@@ -21,3 +21,9 @@ def varying_like(x: jax.Array, like: jax.Array) -> jax.Array:
   varying = lambda a: jax.typeof(a).manual_axis_type.varying
   missing = tuple(sorted(varying(like) - varying(x)))
   return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def int32_loop(lower, upper, body, carry):
+  """lax.fori_loop with an int32 index whatever the bounds (Python ints become int64 under
+  jax_enable_x64, which the Mosaic GPU kernels' int32 slot arithmetic refuses)."""
+  return jax.lax.fori_loop(jnp.asarray(lower, jnp.int32), jnp.asarray(upper, jnp.int32), body, carry)

@@ -46,7 +46,7 @@ def stream_blocks(load, *, num_blocks, slots: int, free):
   for slot in range(slots):
     pl.when(slot < num_blocks)(functools.partial(load, jnp.int32(slot), slot))
 
-  @pl.loop(slots, num_blocks)
+  @pl.loop(jnp.int32(slots), jnp.asarray(num_blocks, jnp.int32))  # int32 under jax_enable_x64 too
   def _(block):
     slot = lax.rem(block, jnp.int32(slots))
     for barrier in free:

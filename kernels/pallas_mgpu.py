@@ -40,7 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from clis_kernels.mgpu_pipeline import COMPUTE_WARPGROUPS, cta_first_row, kv_blocks, stream_kv, swizzled
-from clis_kernels.common import out_struct
+from clis_kernels.common import int32_loop, out_struct
 from clis_kernels.plan import Mode, stabilizer_inputs
 from clis_kernels.stabilizer import EMPTY_LSE, LOG2E, Certificate, KeyBounds, row_bounds, stabilize
 
@@ -59,6 +59,8 @@ class BlockSizes:
   pingpong: the two compute warpgroups take turns on the tensor cores (FA3's schedule); False lets
   both issue wgmma as soon as their operands are ready.
   overlap: the certified loop issues block i+1's Q·Kᵀ before block i's softmax (needs pingpong=False).
+  exact_sum: the certified loop's l sums the weights as rounded for P·V (stabilizer.py, "Normalisation"),
+  added after the softmax hands the tensor cores over; False sums them unrounded, as the online path does.
   The backward is the registry's choice (plan.py): "pallas_mgpu" takes pallas_mgpu_vjp's,
   "pallas_mgpu_triton_bwd" pallas_gpu_vjp's, each with its own BlockSizes.
   """
@@ -68,6 +70,7 @@ class BlockSizes:
   slots: int = 2
   pingpong: bool = True
   overlap: bool = False
+  exact_sum: bool = False
 
   def __post_init__(self):
     if self.overlap and self.pingpong:
@@ -138,6 +141,7 @@ class _Config:
   row_centres: bool  # bidirectional packed rows: each row's own segment centre
   pingpong: bool
   overlap: bool
+  exact_sum: bool
 
 
 class _Refs(NamedTuple):
@@ -427,17 +431,17 @@ def _attend(c: _Config, g: _Refs, s: _Scratch, ss, r: _Rows, fixed: bool, m_fixe
 
     step = functools.partial(_overlapped_step, c, s, ss, r, m0)
     carry = (*carry, pl.run_scoped(first_qk, plgpu.ACC((bq, c.block_kv), jnp.float32)))
-    carry = lax.fori_loop(0, r.full, functools.partial(step, masked=False), carry)
+    carry = int32_loop(0, r.full, functools.partial(step, masked=False), carry)
     if masked_steps:
-      carry = lax.fori_loop(r.full, r.total, functools.partial(step, masked=True), carry)
+      carry = int32_loop(r.full, r.total, functools.partial(step, masked=True), carry)
     carry = carry[:2]
   else:
     step = functools.partial(_step, c, s, ss, r, fixed, m0)
-    carry = lax.fori_loop(0, r.full, functools.partial(step, masked=False), carry)
+    carry = int32_loop(0, r.full, functools.partial(step, masked=False), carry)
     if masked_steps:
-      carry = lax.fori_loop(r.full, r.total, functools.partial(step, masked=True), carry)
+      carry = int32_loop(r.full, r.total, functools.partial(step, masked=True), carry)
   if c.causal:  # blocks the other warpgroup still needs: release them in step with its loop
-    lax.fori_loop(r.total, r.cta_blocks, functools.partial(_drain, c, s, ss), None)
+    int32_loop(r.total, r.cta_blocks, functools.partial(_drain, c, s, ss), None)
   pl.when(r.wg == 0)(r.turn)
   acc, m, l = (carry[0], m0, carry[1]) if fixed else carry
   _epilogue(c, g, s, r, acc, m, l)
@@ -475,8 +479,9 @@ def _step(c: _Config, s: _Scratch, ss, r: _Rows, fixed: bool, m0, i, carry, mask
                 masked)
   if fixed:  # the certified step: no max, no rescale
     p = jnp.exp2(qk * c.sigma2 - lax.broadcast_in_dim(m, qk.shape, [0]))
-    l = l + p.sum(axis=1)  # the unrounded weights: see the module docstring
     p_low = p.astype(r.dtype)
+    if not c.exact_sum:
+      l = l + p.sum(axis=1)  # the unrounded weights: see the module docstring
   else:
     m_new = jnp.maximum(m, qk.max(axis=1) * c.sigma2)
     alpha = jnp.exp2(m - m_new)
@@ -490,6 +495,8 @@ def _step(c: _Config, s: _Scratch, ss, r: _Rows, fixed: bool, m0, i, carry, mask
     acc, m, l, p_low = lax.optimization_barrier((acc, m, l, p_low))
   if c.pingpong:
     plgpu.barrier_arrive(s.schedule)  # softmax done
+  if fixed and c.exact_sum:  # while the other warpgroup holds the tensor cores
+    l = l + p_low.astype(jnp.float32).sum(axis=1)
   plgpu.barrier_wait(s.v_ready.at[slot])
   if c.pingpong:
     plgpu.barrier_wait(s.schedule)  # tensor cores free again
@@ -520,7 +527,8 @@ def _overlapped_step(c: _Config, s: _Scratch, ss, r: _Rows, m0, i, carry, masked
       plgpu.wgmma(next_ref, r.q_smem, s.k.at[nxt].T)
 
     p = jnp.exp2(qk * c.sigma2 - lax.broadcast_in_dim(m0, qk.shape, [0]))
-    new_l, p_low = l + p.sum(axis=1), p.astype(r.dtype)
+    p_low = p.astype(r.dtype)
+    new_l = l + (p_low.astype(jnp.float32) if c.exact_sum else p).sum(axis=1)
     plgpu.barrier_wait(s.v_ready.at[slot])
     new_acc = pl.run_state(lambda ref: plgpu.wgmma(ref, p_low, s.v.at[slot]))(plgpu.ACC.init(acc))
     return new_acc, new_l, next_ref[...]
@@ -608,7 +616,8 @@ def forward(q, k, v, segment_ids, stab: KeyBounds | Certificate | None, *, mode:
   kernel = functools.partial(_kernel, config=_Config(
       mode=mode, causal=causal, sigma2=scale * LOG2E, block_q=bs.block_q, block_kv=bs.block_kv,
       slots=min(bs.slots, k.shape[1] // bs.block_kv), kv_len=kv_len, group=num_heads // k.shape[2],
-      has_segments=segment_ids is not None, row_centres=row_centres, pingpong=bs.pingpong, overlap=bs.overlap))
+      has_segments=segment_ids is not None, row_centres=row_centres, pingpong=bs.pingpong, overlap=bs.overlap,
+      exact_sum=bs.exact_sum))
   args = [q, k, v]
   if segment_ids is not None:  # key id 0 (padding) becomes −1: it then matches no query, padding included
     args += [segment_ids.q.astype(jnp.int32), jnp.where(segment_ids.kv == 0, -1, segment_ids.kv).astype(jnp.int32)]

@@ -27,7 +27,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from clis_kernels import masks
 from clis_kernels.mgpu_pipeline import COMPUTE_WARPGROUPS, cta_first_row, kv_blocks, stream_blocks, stream_kv, swizzled
-from clis_kernels.common import out_struct
+from clis_kernels.common import int32_loop, out_struct
 from clis_kernels.stabilizer import LOG2E
 
 ROWS = 64  # rows per compute warpgroup (one wgmma M tile), and the streamed block in both kernels
@@ -143,11 +143,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, s
         plgpu.barrier_arrive(free.at[slot])
 
       acc = plgpu.layout_cast(jnp.zeros((ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA)
-      acc = lax.fori_loop(0, full, functools.partial(step, masked=False), acc)
+      acc = int32_loop(0, full, functools.partial(step, masked=False), acc)
       if causal or kv_len is not None:
-        acc = lax.fori_loop(full, total, functools.partial(step, masked=True), acc)
+        acc = int32_loop(full, total, functools.partial(step, masked=True), acc)
       if causal:
-        lax.fori_loop(total, cta_blocks, release, None)
+        int32_loop(total, cta_blocks, release, None)
       q_smem.at[wg][...] = (acc * scale).astype(dtype)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(q_smem.at[wg], dq_ref.at[batch, rows, head])
@@ -267,13 +267,13 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
 
       def head_loop(g, carry):
         if causal:
-          lax.fori_loop(cta_first, first, functools.partial(release, g=g), None)
-          carry = lax.fori_loop(first, first_full, functools.partial(step, g=g, masked=True), carry)
-          return lax.fori_loop(first_full, num_q_blocks, functools.partial(step, g=g, masked=False), carry)
-        return lax.fori_loop(0, num_q_blocks, functools.partial(step, g=g, masked=False), carry)
+          int32_loop(cta_first, first, functools.partial(release, g=g), None)
+          carry = int32_loop(first, first_full, functools.partial(step, g=g, masked=True), carry)
+          return int32_loop(first_full, num_q_blocks, functools.partial(step, g=g, masked=False), carry)
+        return int32_loop(0, num_q_blocks, functools.partial(step, g=g, masked=False), carry)
 
       zeros = plgpu.layout_cast(jnp.zeros((ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA)
-      dk, dv = lax.fori_loop(0, group, head_loop, (zeros, zeros))
+      dk, dv = int32_loop(0, group, head_loop, (zeros, zeros))
       k_smem.at[wg][...] = (dk * scale).astype(dtype)
       v_smem.at[wg][...] = dv.astype(dtype)
       plgpu.commit_smem()
