@@ -10,10 +10,8 @@ and the K/V pre-pass (stabilizer.key_bounds → row_bounds → stabilize; no pas
 kernel; bidirectional packed rows against their segment's centre), or reads the XLA certificate
 (granularity="head"), and runs one of two loops over the KV blocks:
   certified: p = 2^(σ₂·q·kᵀ − M) with the row's fixed M; no row max, no rescale of acc and l.
-             l sums the weights before they are rounded for P·V, as the online path does: the
-             exact sum of the rounded weights (stabilizer.py, "Normalisation"; the Triton kernel's
-             choice) was measurably slower here (notes/kernels.md, round 3); the GPU tests bound
-             this kernel's error by 1.25x online's.
+             l sums the weights as rounded for P·V (stabilizer.py, "Normalisation", as every backend),
+             after the softmax has handed the tensor cores to the other warpgroup (BlockSizes.exact_sum).
   otherwise: the online softmax (running max, rescale), also the whole of stabilizer="online".
 Under the causal mask the loop splits into blocks wholly below the diagonal (no mask) and the
 few that straddle it; causal q tiles run last-first so the longest start early.
@@ -60,7 +58,8 @@ class BlockSizes:
   both issue wgmma as soon as their operands are ready.
   overlap: the certified loop issues block i+1's Q·Kᵀ before block i's softmax (needs pingpong=False).
   exact_sum: the certified loop's l sums the weights as rounded for P·V (stabilizer.py, "Normalisation"),
-  added after the softmax hands the tensor cores over; False sums them unrounded, as the online path does.
+  added after the softmax hands the tensor cores over. False sums them unrounded, as the online path does:
+  3–4% faster on the H200, but up to 1.4x the online path's bf16 error on real activations (BENCHMARKS.md).
   The backward is the registry's choice (plan.py): "pallas_mgpu" takes pallas_mgpu_vjp's,
   "pallas_mgpu_triton_bwd" pallas_gpu_vjp's, each with its own BlockSizes.
   """
@@ -70,7 +69,7 @@ class BlockSizes:
   slots: int = 2
   pingpong: bool = True
   overlap: bool = False
-  exact_sum: bool = False
+  exact_sum: bool = True
 
   def __post_init__(self):
     if self.overlap and self.pingpong:

@@ -95,6 +95,18 @@ def test_forward_without_pingpong_lowers_for_the_gpu(causal, packed, overlap):
   assert "mosaic_gpu" in lower_for_h200(fn, q, q, q, seg)
 
 
+@pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
+@pytest.mark.parametrize("causal", [False, True])
+def test_lowers_with_x64_enabled(causal):
+  """Under jax_enable_x64 the loops keep int32 indices (the H200 run of the shared base found int64 ones)."""
+  q = jax.ShapeDtypeStruct((1, 48, 4, 64), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, 48, 2, 64), jnp.bfloat16)
+  loss = lambda q, k, v: attention(q, k, v, causal=causal, implementation="pallas_mgpu",
+                                   platform=HOPPER).astype(jnp.float32).sum()
+  with jax.enable_x64(True):
+    assert lower_for_h200(jax.grad(loss, argnums=(0, 1, 2)), q, k, k).count("custom_call @mosaic_gpu") == 3
+
+
 def test_mosaic_backward_block_sizes_are_validated():
   with pytest.raises(ValueError, match="slots=1 must be at least 2"):
     pallas_mgpu_vjp.BlockSizes(slots=1)
@@ -211,12 +223,13 @@ def test_packed_in_kernel_certificate_is_never_looser_than_xla_on_gpu(causal):
 
 @needs_gpu
 def test_default_on_hopper_is_this_backend_on_gpu():
-  """implementation=None takes the Mosaic GPU kernels for bf16 (forward and gradients bit for bit), Triton for f32."""
+  """implementation=None takes the Mosaic GPU kernels for bf16 (forward and gradients bit for bit; at 512 keys,
+  below plan.CERTIFY_FROM_MGPU, their online loop), Triton for f32."""
   q, k, v, do = random_inputs(5, 1, 512, 4, 2, 128, jnp.bfloat16)
-  loss = lambda impl: lambda q, k, v: jnp.vdot(attention(q, k, v, implementation=impl).astype(jnp.float32),
-                                               do.astype(jnp.float32))
-  for got, want in zip(jax.value_and_grad(loss(None), argnums=(0, 1, 2))(q, k, v),
-                       jax.value_and_grad(loss("pallas_mgpu"), argnums=(0, 1, 2))(q, k, v)):
+  loss = lambda **kw: lambda q, k, v: jnp.vdot(attention(q, k, v, **kw).astype(jnp.float32), do.astype(jnp.float32))
+  for got, want in zip(jax.value_and_grad(loss(), argnums=(0, 1, 2))(q, k, v),
+                       jax.value_and_grad(loss(implementation="pallas_mgpu", stabilizer="online"),
+                                          argnums=(0, 1, 2))(q, k, v)):
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
       np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
   q32, k32, v32 = (x.astype(jnp.float32) for x in (q, k, v))
