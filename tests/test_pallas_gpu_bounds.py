@@ -13,6 +13,7 @@ import pytest
 from clis_kernels import api, pallas_gpu_bounds, plan, stabilizer, testing
 from clis_kernels import reference_f64 as ref
 from clis_kernels.masks import segment_ids_of
+from attention_base import CLIS_VS_ONLINE
 
 BLOCK_Q, KEY_BLOCK = 32, 16
 
@@ -85,9 +86,10 @@ def test_attention_with_the_kernel_bound_is_exact_and_certifies(causal, family):
   _, stats = api.attention(q, k, v, seg, bound="blocks", return_stats=True, **kw)
   want, *want_grads = ref.attention(q, k, v, do, seg, causal=causal)
   assert float(stats.certified_fraction) >= 0.95
-  assert ref.max_abs_err(out, want) <= 1.25 * ref.max_abs_err(online, want)
-  for got, base, exact in zip(pullback(do), online_pullback(do), want_grads):
-    assert ref.max_abs_err(got, exact) <= 1.25 * ref.max_abs_err(base, exact)
+  step = lambda x: 2.0 ** (np.floor(np.log2(np.abs(np.asarray(x, np.float64)).max())) - 7)  # bf16's ulp at max|x|
+  for got, base, exact in zip((out, *pullback(do)), (online, *online_pullback(do)), (want, *want_grads)):
+    assert ref.rel_err(got, exact) <= CLIS_VS_ONLINE * ref.rel_err(base, exact)
+    assert ref.max_abs_err(got, exact) <= ref.max_abs_err(base, exact) + step(exact)
 
 
 ON_GPU = jax.devices()[0].platform == "gpu"
@@ -132,7 +134,8 @@ def test_kernel_lowers_for_the_gpu(causal, packed):
 @pytest.mark.parametrize("causal,family", [(True, "sinks_many"), (True, "packed_sinks"), (False, "outlier_channels")])
 def test_block_bound_through_the_mosaic_kernel_matches_float64_on_gpu(causal, family):
   """bound="blocks" on the Mosaic GPU forward (its certificate mode) and backward: exact against float64,
-  no less accurate than online, nearly every tile certified."""
+  no less accurate than online (relative error within CLIS_VS_ONLINE of online's, as in the shared base; the
+  worst element within one bf16 rounding step of online's worst), nearly every tile certified."""
   q, k, v, do, seg = testing.inputs(family, 1, 2048, 8, 2, 128, dtype=jnp.bfloat16)
   kw = dict(causal=causal, implementation="pallas_mgpu", bound="blocks")
   run = lambda stab: jax.vjp(lambda a, b, c: api.attention(a, b, c, seg, stabilizer=stab, **kw), q, k, v)
@@ -140,6 +143,7 @@ def test_block_bound_through_the_mosaic_kernel_matches_float64_on_gpu(causal, fa
   _, stats = api.attention(q, k, v, seg, return_stats=True, **kw)
   want, *want_grads = ref.attention(q, k, v, do, seg, causal=causal)
   assert float(stats.certified_fraction) >= 0.95
-  assert ref.max_abs_err(out, want) <= 1.25 * ref.max_abs_err(online, want)
-  for got, base, exact in zip(pullback(do), online_pullback(do), want_grads):
-    assert ref.max_abs_err(got, exact) <= 1.25 * ref.max_abs_err(base, exact)
+  step = lambda x: 2.0 ** (np.floor(np.log2(np.abs(np.asarray(x, np.float64)).max())) - 7)  # bf16's ulp at max|x|
+  for got, base, exact in zip((out, *pullback(do)), (online, *online_pullback(do)), (want, *want_grads)):
+    assert ref.rel_err(got, exact) <= CLIS_VS_ONLINE * ref.rel_err(base, exact)
+    assert ref.max_abs_err(got, exact) <= ref.max_abs_err(base, exact) + step(exact)
