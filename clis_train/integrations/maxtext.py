@@ -34,6 +34,7 @@ from clis_kernels import attention as clis_attention
 from clis_train.config import MAXTEXT_ATTENTIONS
 
 KERNELS = MAXTEXT_ATTENTIONS  # MaxText attention value -> our stabilizer (the vocabulary: clis_train/config.py)
+LOG_TAG = "[clis_train]"  # each traced attention call logs one line with it (so a run shows the kernel ran)
 
 
 def _unsupported(op, key, model_mode, kw) -> str | None:
@@ -126,6 +127,9 @@ def install() -> None:
     if reason is not None:
       raise NotImplementedError(f"attention={self.attention_kernel} does not support {reason}")
     self.check_attention_inputs(query, key, value)
+    from absl import logging  # MaxText's logger: the line shows in its console output
+    logging.info("%s attention=%s: clis_kernels.attention, q %s, kv heads %d", LOG_TAG, self.attention_kernel,
+                 tuple(query.shape), key.shape[-2])
     out = _attend(self, query, key, value, decoder_segment_ids, KERNELS[self.attention_kernel],
                   kwargs.get("decoder_segment_ids_kv"))
     return out, None, None  # normalised output, as MaxText's flash paths return
