@@ -403,31 +403,33 @@ def block_bounds(k, segment_ids, *, block: int, seq_len: int, budget: int = 32) 
   outlier channel's offset) moves with the centres instead of inflating one global radius. The
   `budget` keys farthest from their block's centre per (batch, kv head) (attention sinks,
   delimiters) leave the blocks and are scored exactly, so one sink no longer sets the bound of
-  every row that sees its block.
+  every row that sees its block. They leave their blocks' sums by subtraction (a scatter of
+  `budget` rows), not by a second masked sum over every key; the radii are measured from the
+  centres so obtained, so U holds whatever their rounding.
   """
   k = jax.lax.stop_gradient(k).astype(jnp.float32)
   batch, sk, hkv, d = k.shape
   nb = sk // block
   valid = masks.key_is_real(masks.segment_ids_of(segment_ids), sk, seq_len)  # [B or 1, Sk]
-  valid = jnp.broadcast_to(valid, (batch, sk))[:, :, None]  # [B, Sk, 1]: per kv head below
-
-  def stats(keep):  # keep [B, Sk, Hkv] -> (centres [B, nb, Hkv, D], dev [B, Sk, Hkv], radii [B, Hkv, nb])
-    w = keep.reshape(batch, nb, block, hkv, 1).astype(jnp.float32)
-    blocks = k.reshape(batch, nb, block, hkv, d)
-    centres = (w * blocks).sum(2) / jnp.maximum(w.sum(2), 1.0)
-    dev = jnp.linalg.norm(blocks - centres[:, :, None], axis=-1).reshape(batch, sk, hkv)
-    radii = jnp.where(keep, dev, 0.0).reshape(batch, nb, block, hkv).max(2).transpose(0, 2, 1)
-    return centres, dev, radii
-
-  keep = jnp.broadcast_to(valid, (batch, sk, hkv))
-  _, dev, _ = stats(keep)
-  score = jnp.where(keep, dev, -1.0).transpose(0, 2, 1)  # [B, Hkv, Sk]
+  valid = jnp.broadcast_to(valid, (batch, sk)).reshape(batch, nb, block)[..., None]  # [B, nb, block, 1]
+  blocks = k.reshape(batch, nb, block, hkv, d)
+  total = jnp.where(valid[..., None], blocks, 0.0).sum(2)  # [B, nb, Hkv, D]
+  count = jnp.broadcast_to(valid.sum(2).astype(jnp.float32), (batch, nb, hkv))  # [B, nb, Hkv]
+  deviation = lambda total, count: jnp.linalg.norm(  # [B, nb, block, Hkv]: each key from its block's centre
+      blocks - (total / jnp.maximum(count, 1.0)[..., None])[:, :, None], axis=-1)
+  score = jnp.where(valid, deviation(total, count), -1.0).reshape(batch, sk, hkv).transpose(0, 2, 1)  # [B, Hkv, Sk]
   top, where = jax.lax.top_k(score, max(0, min(budget, sk)))
   is_exceptional = top >= 0.0  # real keys (padding scores -1)
-  drop = jnp.zeros((batch, hkv, sk), bool).at[
-      jnp.arange(batch)[:, None, None], jnp.arange(hkv)[None, :, None], where].max(is_exceptional)
-  centres, _, radii = stats(keep & ~drop.transpose(0, 2, 1))
-  return BlockBounds(centres=centres, radii=radii, exceptional=where.astype(jnp.int32), is_exceptional=is_exceptional)
+  b, h = jnp.arange(batch)[:, None, None], jnp.arange(hkv)[None, :, None]
+  k_e = jnp.take_along_axis(k, where.transpose(0, 2, 1)[..., None], axis=1).transpose(0, 2, 1, 3)  # [B, Hkv, E, D]
+  weight = is_exceptional.astype(jnp.float32)
+  total = total.at[b, where // block, h].add(-weight[..., None] * k_e)
+  count = count.at[b, where // block, h].add(-weight)
+  drop = jnp.zeros((batch, hkv, sk), bool).at[b, h, where].max(is_exceptional)
+  keep = valid & ~drop.transpose(0, 2, 1).reshape(batch, nb, block, hkv)  # [B, nb, block, Hkv]
+  radii = jnp.where(keep, deviation(total, count), 0.0).max(2).transpose(0, 2, 1)  # [B, Hkv, nb]
+  return BlockBounds(centres=total / jnp.maximum(count, 1.0)[..., None], radii=radii,
+                     exceptional=where.astype(jnp.int32), is_exceptional=is_exceptional)
 
 
 def block_row_bounds(q, k, segment_ids, bounds: BlockBounds, *, causal: bool, scale: float, block: int,
