@@ -31,8 +31,11 @@ def _cudnn(q, k, v, segment_ids):
 
 
 def make_attention(name: str, mesh: jax.sharding.Mesh | None, *, granularity: str = "tile", platform=None):
-  """Returns attend(q, k, v, segment_ids) -> (out [B,S,Hq,D], certified_fraction scalar). platform: a
-  clis_kernels.plan.Platform to plan the kernels for (default: this machine's)."""
+  """Returns attend(q, k, v, segment_ids) -> (out [B,S,Hq,D], certified_fraction scalar), jitted: every
+  layer then calls one traced and lowered function, so the step's module holds each kernel once (for
+  16 layers, 4 Mosaic GPU kernels instead of 64, and lowering 2.4 s instead of 40 s on the CPU machine;
+  notes/kernels.md, round 7). platform: a clis_kernels.plan.Platform to plan the kernels for (default:
+  this machine's)."""
   if name in ("clis", "online", "clis_mgpu", "online_mgpu"):
     stabilizer, _, backend = name.partition("_")
     implementation = "pallas_mgpu" if backend else None  # *_mgpu: the Mosaic GPU kernels (Hopper)
@@ -54,7 +57,7 @@ def make_attention(name: str, mesh: jax.sharding.Mesh | None, *, granularity: st
     raise ValueError(f"attention={name!r} must be one of clis, online, clis_mgpu, online_mgpu, cudnn, dot_product")
 
   if mesh is None or mesh.size == 1:
-    return attend
+    return jax.jit(attend)
   heads = P(BATCH_AXES, None, "tensor", None)
 
   @functools.partial(jax.shard_map, mesh=mesh, in_specs=(heads, heads, heads, P(BATCH_AXES, None)),
@@ -63,4 +66,4 @@ def make_attention(name: str, mesh: jax.sharding.Mesh | None, *, granularity: st
     out, certified = attend(q, k, v, seg)
     return out, jax.lax.pmean(certified, mesh.axis_names)
 
-  return sharded
+  return jax.jit(sharded)

@@ -261,3 +261,23 @@ def test_mgpu_attention_reaches_the_mosaic_kernel_with_packed_segments():
     assert "mosaic_gpu" in text, name
   with pytest.raises(ValueError, match="must be one of clis, online, clis_mgpu"):
     make_attention("clis_mosaic", None)
+
+
+def test_attention_kernels_are_lowered_once_for_all_layers():
+  """The step's module holds one copy of each attention kernel however many layers call it (compile time:
+  16 layers held 64 Mosaic GPU kernels before make_attention's jit)."""
+  import re
+  from attention_base import lower_for_h200
+  from clis_kernels import plan
+  from clis_train import attention as attention_lib
+  from clis_train import model as model_lib
+  tokens = jax.ShapeDtypeStruct((1, 256), jnp.int32)
+  counts = {}
+  for layers in (1, 4):
+    dims = dataclasses.replace(model_lib.PRESETS["tiny"], n_layers=layers, dim=256, n_heads=2, n_kv_heads=1)
+    net = model_lib.Transformer(dims, attention_lib.make_attention("clis_mgpu", None, platform=plan.HOPPER),
+                                remat="full")
+    params = jax.eval_shape(lambda t: net.init(jax.random.PRNGKey(0), t, t, t), tokens)
+    loss = lambda p, t: net.apply(p, t, jnp.broadcast_to(jnp.arange(t.shape[1]), t.shape), jnp.ones_like(t)).mean()
+    counts[layers] = len(re.findall(r"custom_call @mosaic_gpu", lower_for_h200(jax.grad(loss), params, tokens)))
+  assert counts[1] == counts[4] >= 3, counts  # forward (and its remat copy), dQ, dK/dV: once each
