@@ -32,9 +32,8 @@ def _cudnn(q, k, v, segment_ids):
 
 def make_attention(name: str, mesh: jax.sharding.Mesh | None, *, granularity: str = "tile", platform=None):
   """Returns attend(q, k, v, segment_ids) -> (out [B,S,Hq,D], certified_fraction scalar), jitted: every
-  layer then calls one traced and lowered function, so the step's module holds each kernel once (for
-  16 layers, 4 Mosaic GPU kernels instead of 64, and lowering 2.4 s instead of 40 s on the CPU machine;
-  notes/kernels.md, round 7). platform: a clis_kernels.plan.Platform to plan the kernels for (default:
+  layer then calls one traced and lowered function, so the step's module holds each kernel once instead of
+  once per layer (compile time: notes/kernels.md, round 7). platform: a clis_kernels.plan.Platform to plan the kernels for (default:
   this machine's)."""
   if name in ("clis", "online", "clis_mgpu", "online_mgpu"):
     stabilizer, _, backend = name.partition("_")

@@ -59,7 +59,8 @@ class BlockSizes:
   overlap: the certified loop issues block i+1's Q·Kᵀ before block i's softmax (needs pingpong=False).
   exact_sum: the certified loop's l sums the weights as rounded for P·V (stabilizer.py, "Normalisation"),
   added after the softmax hands the tensor cores over. False sums them unrounded, as the online path does:
-  3–4% faster on the H200, but up to 1.4x the online path's bf16 error on real activations (BENCHMARKS.md).
+  a little faster, and less accurate than the online path on real activations (both measured in BENCHMARKS.md,
+  "the certified loop's normaliser").
   The backward is the registry's choice (plan.py): "pallas_mgpu" takes pallas_mgpu_vjp's,
   "pallas_mgpu_triton_bwd" pallas_gpu_vjp's, each with its own BlockSizes.
   """

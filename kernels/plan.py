@@ -129,12 +129,12 @@ def _function(path: str, default: str):
 
 
 # Below this many keys certifying does not pay on every input (H200, B x S = 32k tokens, BENCHMARKS.md
-# issue 16: at causal 8k the one-radius bound gains 1.08x on Gaussian keys but loses 0.95x on sink/
-# outlier-shaped ones, where it certifies nothing, and the block bound runs ~0.97-1.00x on both), so
+# issue 16: at causal 8k the one-radius bound gains on Gaussian keys but loses on sink/outlier-shaped
+# ones, where it certifies nothing, and the block bound does not gain on either), so
 # implementation=None runs shorter calls online; naming the backend certifies at every length.
 CERTIFY_FROM_MGPU = 16384
-# From this many keys the block bound pays on Gaussian and pretrained-like inputs alike (1.06-1.10x at
-# 16k-64k); bound=None takes it there where its kernel takes the call, the radius below.
+# From this many keys the block bound pays on Gaussian and pretrained-like inputs alike (BENCHMARKS.md,
+# issue 16); bound=None takes it there where its kernel takes the call, the radius below.
 BLOCKS_FROM_MGPU = 16384
 
 REGISTRY: tuple[Entry, ...] = (

@@ -82,10 +82,9 @@ Normalisation. The weights enter P·V rounded to v's dtype. A certified row sums
 rounded weights, so the output is an exact weighted mean of V under slightly perturbed
 weights (the online path gets this for free for its dominant weight, 2^0 = 1, which rounds
 exactly; a fixed stabilizer puts the dominant weight anywhere, and dividing by the unrounded
-sum cost bf16 accuracy against the online path: on the H200, the Mosaic GPU kernel dividing by the
-unrounded sum gave 1.27-1.39x the online path's gradient error on real activations, 1.10-1.16x with
-the rounded one). The saved lse uses the same sum (notes/kernels.md has the measured ratios). The
-Mosaic GPU kernel can trade this for 3-4% speed (pallas_mgpu.BlockSizes(exact_sum=False)).
+sum cost bf16 accuracy against the online path, on every backend that tried it: BENCHMARKS.md, "the
+certified loop's normaliser"). The saved lse uses the same sum. The Mosaic GPU kernel can trade this for
+a little speed (pallas_mgpu.BlockSizes(exact_sum=False)).
 
 Certificate. A row passes when U_i − L_i ≤ min(τ·log2 e, h + T), τ being the user's cap in
 natural-log units. τ bounds |t − M| for the row's dominant terms (t_max − M ≥ h − (U − L)), and exp2
