@@ -46,6 +46,7 @@ HEAD_DIMS = (64, 128)
 DTYPES = (jnp.bfloat16, jnp.float16)
 FAILED_TILE_M = 1e30  # M sent for rows of a tile the XLA certificate failed (real M are far smaller)
 ONLINE_FLOOR = -1e20  # the online loop's starting max (base 2): below any real logit
+SUM_COLUMNS = 16  # columns of the ones tile the tensor-core sum multiplies by (32-byte rows: wgmma's least swizzle)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +58,8 @@ class BlockSizes:
   pingpong: the two compute warpgroups take turns on the tensor cores (FA3's schedule); False lets
   both issue wgmma as soon as their operands are ready.
   overlap: the certified loop issues block i+1's Q·Kᵀ before block i's softmax (needs pingpong=False).
+  sum_on_tensor_cores: that sum as a second wgmma, P·ones against a [block_kv, 16] tile of ones in shared
+  memory, issued with P·V (no conversion on the vector units).
   exact_sum: the certified loop's l sums the weights as rounded for P·V (stabilizer.py, "Normalisation"),
   added after the softmax hands the tensor cores over. False sums them unrounded, as the online path does:
   a little faster, and less accurate than the online path on real activations (both measured in BENCHMARKS.md,
@@ -71,8 +74,12 @@ class BlockSizes:
   pingpong: bool = True
   overlap: bool = False
   exact_sum: bool = True
+  sum_on_tensor_cores: bool = False
 
   def __post_init__(self):
+    if self.sum_on_tensor_cores and (not self.exact_sum or self.overlap):
+      raise ValueError("sum_on_tensor_cores=True sums the rounded weights (exact_sum=True) in the ping-pong step "
+                       "(overlap=False)")
     if self.overlap and self.pingpong:
       raise ValueError("overlap=True needs pingpong=False (each warpgroup overlaps its own steps instead)")
     if self.block_q != 64:
@@ -142,6 +149,7 @@ class _Config:
   pingpong: bool
   overlap: bool
   exact_sum: bool
+  tc_sum: bool  # BlockSizes.sum_on_tensor_cores, in a mode with a certified loop
 
 
 class _Refs(NamedTuple):
@@ -158,6 +166,7 @@ class _Refs(NamedTuple):
   o: Any
   lse: Any
   flags: Any  # "keys": the certified flag per row, out
+  ones: Any = None  # tc_sum: [block_kv, 16] ones, the B operand of the sum's wgmma
 
 
 class _Scratch(NamedTuple):
@@ -174,6 +183,8 @@ class _Scratch(NamedTuple):
   k_free: Any  # each compute warpgroup arrives when it has read a slot's K
   v_free: Any
   schedule: Any  # the compute warpgroups' turns on the tensor cores
+  ones: Any = None  # tc_sum: [block_kv, 16] ones in shared memory, and its TMA's barrier
+  ones_ready: Any = None
 
 
 class _KeysScratch(NamedTuple):
@@ -227,7 +238,10 @@ def _scratch(c: _Config, dtype, head_dim: int):
       plgpu.Barrier(num_barriers=c.slots), plgpu.Barrier(num_barriers=c.slots),
       plgpu.Barrier(num_barriers=wgs), plgpu.Barrier(num_barriers=wgs),
       plgpu.Barrier(num_arrivals=wgs, num_barriers=c.slots), plgpu.Barrier(num_arrivals=wgs, num_barriers=c.slots),
-      plgpu.Barrier(num_arrivals=wgs))
+      plgpu.Barrier(num_arrivals=wgs),
+      *((plgpu.SMEM((bkv, SUM_COLUMNS), dtype, transforms=(plgpu.TilingTransform((8, SUM_COLUMNS)),
+                                                            plgpu.SwizzleTransform(2 * SUM_COLUMNS))),
+         plgpu.Barrier(num_barriers=1)) if c.tc_sum else ()))
   keys = None
   if c.mode == "keys":
     keys = _KeysScratch(
@@ -246,16 +260,21 @@ def _scratch(c: _Config, dtype, head_dim: int):
 
 def _kernel(q_ref, k_ref, v_ref, *refs, config: _Config):
   c = config
-  qseg_ref = kseg_ref = m_ref = centre_ref = bounds_ref = flags_ref = None
+  qseg_ref = kseg_ref = m_ref = centre_ref = bounds_ref = flags_ref = ones_ref = None
+  num_outputs = 3 if c.mode == "keys" else 2
+  inputs, outputs = refs[:-num_outputs], refs[-num_outputs:]
   if c.has_segments:
-    (qseg_ref, kseg_ref), refs = refs[:2], refs[2:]
+    (qseg_ref, kseg_ref), inputs = inputs[:2], inputs[2:]
+  if c.tc_sum:  # the last input
+    ones_ref, inputs = inputs[-1], inputs[:-1]
   if c.mode == "cert":
-    m_ref, o_ref, lse_ref = refs
+    (m_ref,) = inputs
   elif c.mode == "keys":
-    centre_ref, bounds_ref, o_ref, lse_ref, flags_ref = refs
-  else:
-    o_ref, lse_ref = refs
-  g = _Refs(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, m_ref, centre_ref, bounds_ref, o_ref, lse_ref, flags_ref)
+    centre_ref, bounds_ref = inputs
+  o_ref, lse_ref, *rest = outputs
+  flags_ref = rest[0] if rest else None
+  g = _Refs(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, m_ref, centre_ref, bounds_ref, o_ref, lse_ref, flags_ref,
+            ones_ref)
   dtype, head_dim = q_ref.dtype, q_ref.shape[-1]
   batch, head = lax.axis_index("batch"), lax.axis_index("heads")
   cta_row0 = cta_first_row(q_ref.shape[1], c.block_q, causal=c.causal)
@@ -265,6 +284,9 @@ def _kernel(q_ref, k_ref, v_ref, *refs, config: _Config):
     wg = lax.axis_index("wg")
     kv_head = lax.div(head, jnp.int32(c.group))
     turns = functools.partial(_take_turn, s), functools.partial(_turn, c, s)
+
+    if c.tc_sum:
+      pl.when(wg == 0)(lambda: plgpu.copy_gmem_to_smem(g.ones, s.ones, s.ones_ready.at[0]))
 
     @pl.when(wg < COMPUTE_WARPGROUPS)
     def _compute():
@@ -418,7 +440,11 @@ def _attend(c: _Config, g: _Refs, s: _Scratch, ss, r: _Rows, fixed: bool, m_fixe
     # A finite floor, not −inf: a block whose keys are all masked then leaves m at the floor
     # and adds weight 2^(−inf − floor) = 0; no step forms −inf − (−inf).
     m0 = plgpu.layout_cast(jnp.full((bq,), ONLINE_FLOOR, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-  l0 = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+  if fixed and c.tc_sum:  # l as P·ones: [bq, SUM_COLUMNS] equal columns
+    l0 = plgpu.layout_cast(jnp.zeros((bq, SUM_COLUMNS), jnp.float32), plgpu.Layout.WGMMA)
+    plgpu.barrier_wait(s.ones_ready.at[0])
+  else:
+    l0 = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
   carry = (plgpu.layout_cast(jnp.zeros((bq, head_dim), jnp.float32), plgpu.Layout.WGMMA),
            *(() if fixed else (m0,)), l0)
   plgpu.barrier_wait(s.k_ready.at[0])
@@ -444,6 +470,8 @@ def _attend(c: _Config, g: _Refs, s: _Scratch, ss, r: _Rows, fixed: bool, m_fixe
     int32_loop(r.total, r.cta_blocks, functools.partial(_drain, c, s, ss), None)
   pl.when(r.wg == 0)(r.turn)
   acc, m, l = (carry[0], m0, carry[1]) if fixed else carry
+  if fixed and c.tc_sum:
+    l = l.sum(axis=1) * (1.0 / SUM_COLUMNS)
   _epilogue(c, g, s, r, acc, m, l)
 
 
@@ -495,20 +523,25 @@ def _step(c: _Config, s: _Scratch, ss, r: _Rows, fixed: bool, m0, i, carry, mask
     acc, m, l, p_low = lax.optimization_barrier((acc, m, l, p_low))
   if c.pingpong:
     plgpu.barrier_arrive(s.schedule)  # softmax done
-  if fixed and c.exact_sum:  # while the other warpgroup holds the tensor cores
+  if fixed and c.exact_sum and not c.tc_sum:  # while the other warpgroup holds the tensor cores
     l = l + p_low.astype(jnp.float32).sum(axis=1)
   plgpu.barrier_wait(s.v_ready.at[slot])
   if c.pingpong:
     plgpu.barrier_wait(s.schedule)  # tensor cores free again
 
-  def pv(acc_ref):
+  def pv(refs):
+    acc_ref, l_ref = refs
     plgpu.wgmma(acc_ref, p_low, s.v.at[slot])
+    if l_ref is not None:  # the rounded weights' sum, on the tensor cores
+      plgpu.wgmma(l_ref, p_low, s.ones)
 
     @pl.when(i + 1 < r.total)
     def _():
       plgpu.barrier_wait(s.k_ready.at[lax.rem(i + 1, jnp.int32(c.slots))])
 
-  acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+  tc_sum = fixed and c.tc_sum
+  acc, l_new = pl.run_state(pv)((plgpu.ACC.init(acc), plgpu.ACC.init(l) if tc_sum else None))
+  l = l_new if tc_sum else l
   plgpu.barrier_arrive(s.v_free.at[slot])
   return (acc, l) if fixed else (acc, m, l)
 
@@ -617,7 +650,7 @@ def forward(q, k, v, segment_ids, stab: KeyBounds | Certificate | None, *, mode:
       mode=mode, causal=causal, sigma2=scale * LOG2E, block_q=bs.block_q, block_kv=bs.block_kv,
       slots=min(bs.slots, k.shape[1] // bs.block_kv), kv_len=kv_len, group=num_heads // k.shape[2],
       has_segments=segment_ids is not None, row_centres=row_centres, pingpong=bs.pingpong, overlap=bs.overlap,
-      exact_sum=bs.exact_sum))
+      exact_sum=bs.exact_sum, tc_sum=bs.sum_on_tensor_cores and mode != "online"))
   args = [q, k, v]
   if segment_ids is not None:  # key id 0 (padding) becomes −1: it then matches no query, padding included
     args += [segment_ids.q.astype(jnp.int32), jnp.where(segment_ids.kv == 0, -1, segment_ids.kv).astype(jnp.int32)]
@@ -630,6 +663,8 @@ def forward(q, k, v, segment_ids, stab: KeyBounds | Certificate | None, *, mode:
                        "(stabilizer.key_bounds gives it for bidirectional packed rows only)")
     args += list(kernel_key_inputs(keys, row_centres=row_centres, dtype=q.dtype, seq=seq, tile=bs.tile))
     out_type.append(out_struct((batch, num_heads, seq), jnp.float32, q))  # certified flag per row
+  if kernel.keywords["config"].tc_sum:
+    args.append(jnp.ones((bs.block_kv, SUM_COLUMNS), q.dtype))
   outs = plgpu.kernel(
       kernel,
       out_type=tuple(out_type),

@@ -85,6 +85,18 @@ def test_mosaic_backward_lowers_for_the_gpu(causal, seq, d, hkv, packed):
 
 
 @pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
+@pytest.mark.parametrize("causal,packed,bound", [(True, False, "radius"), (False, False, "radius"),
+                                                 (True, True, "radius"), (True, False, "blocks")])
+def test_tensor_core_sum_lowers_for_the_gpu(causal, packed, bound):
+  """BlockSizes(sum_on_tensor_cores=True): l as a second wgmma against a ones tile, in both certified modes."""
+  q = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.bfloat16)
+  seg = jax.ShapeDtypeStruct((1, 256), jnp.int32) if packed else None
+  fn = lambda q, k, v, seg: attention(q, k, v, seg, causal=causal, implementation="pallas_mgpu", platform=HOPPER,
+                                      bound=bound, block_sizes=pallas_mgpu.BlockSizes(sum_on_tensor_cores=True))
+  assert "mosaic_gpu" in lower_for_h200(fn, q, q, q, seg)
+
+
+@pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("causal,packed", [(True, False), (False, False), (True, True)])
 def test_forward_without_pingpong_lowers_for_the_gpu(causal, packed, overlap):
@@ -129,7 +141,9 @@ def test_unsupported_inputs_get_one_clear_error(kwargs, message):
 @pytest.mark.parametrize("kwargs,message", [(dict(block_q=128), "block_q=128 must be 64"),
                                             (dict(block_kv=256), "block_kv=256 must be 64 or 128"),
                                             (dict(slots=1), "slots=1 must be at least 2"),
-                                            (dict(overlap=True), "overlap=True needs pingpong=False")])
+                                            (dict(overlap=True), "overlap=True needs pingpong=False"),
+                                            (dict(sum_on_tensor_cores=True, exact_sum=False),
+                                             "sum_on_tensor_cores=True sums the rounded weights")])
 def test_block_sizes_are_validated(kwargs, message):
   with pytest.raises(ValueError, match=message):
     pallas_mgpu.BlockSizes(**kwargs)
@@ -302,3 +316,13 @@ def test_packed_kernel_bounds_cover_every_visible_key(causal):
   radius = bounds[0, :, 0].T  # [rows, Hkv]
   real = (seg[0] != 0)[:, None, None]
   assert bool(jnp.all(jnp.where(visible[..., None] & real, dist <= radius[:, None, :] + 1e-4, True)))
+
+
+@needs_gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
+def test_tensor_core_sum_matches_float64_on_gpu(case):
+  """The certified loop with l summed on the tensor cores: the base's float64 check at the default tiles."""
+  name, batch, seq, hq, hkv, d, causal, packed = case
+  tests = TestPallasMgpu()
+  tests.block_sizes = pallas_mgpu.BlockSizes(sum_on_tensor_cores=True)
+  tests.check_case((name, batch, seq, hq, hkv, d, jnp.bfloat16, causal, packed))

@@ -1,5 +1,6 @@
-"""The Mosaic GPU certified loop's normaliser: l summed from the unrounded weights (the default) or from the
-weights as rounded for P·V (BlockSizes(exact_sum=True), added after the softmax hands the tensor cores over).
+"""The Mosaic GPU certified loop's normaliser: l summed from the unrounded weights (exact_sum=False), from the
+weights as rounded for P·V on the vector units after the softmax hands the tensor cores over (the default), or
+as a second wgmma P·ones (sum_on_tensor_cores=True).
 Accuracy against float64 on the real-activation sample (tests/data) and on pretrained-like families, and
 forward time against the online loop (interleaved medians, ms), GQA 32/8, D 128, B x S = 32k tokens.
 
@@ -19,7 +20,8 @@ from clis_kernels import attention, pallas_mgpu, testing
 from clis_kernels import reference_f64 as ref
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "tests"))
-SUMS = {"unrounded": pallas_mgpu.BlockSizes(), "exact": pallas_mgpu.BlockSizes(exact_sum=True)}
+SUMS = {"unrounded": pallas_mgpu.BlockSizes(exact_sum=False), "exact": pallas_mgpu.BlockSizes(exact_sum=True),
+        "tensor_cores": pallas_mgpu.BlockSizes(sum_on_tensor_cores=True)}
 
 
 def errors(q, k, v, do, seg, causal, **kw):
