@@ -646,11 +646,12 @@ def forward(q, k, v, segment_ids, stab: KeyBounds | Certificate | None, *, mode:
     raise ValueError(f"{bs.multiple=} must divide the padded lengths {q.shape[1]=} and {k.shape[1]=}")
   mode = {Mode.KEYS: "keys", Mode.ONLINE: "online"}.get(mode, "cert")  # the kernel's loops, by input
   row_centres = keys is not None and keys.centre.shape[1] != 1
-  kernel = functools.partial(_kernel, config=_Config(
+  config = _Config(
       mode=mode, causal=causal, sigma2=scale * LOG2E, block_q=bs.block_q, block_kv=bs.block_kv,
       slots=min(bs.slots, k.shape[1] // bs.block_kv), kv_len=kv_len, group=num_heads // k.shape[2],
       has_segments=segment_ids is not None, row_centres=row_centres, pingpong=bs.pingpong, overlap=bs.overlap,
-      exact_sum=bs.exact_sum, tc_sum=bs.sum_on_tensor_cores and mode != "online"))
+      exact_sum=bs.exact_sum, tc_sum=bs.sum_on_tensor_cores and mode != "online")
+  kernel = functools.partial(_kernel, config=config)
   args = [q, k, v]
   if segment_ids is not None:  # key id 0 (padding) becomes −1: it then matches no query, padding included
     args += [segment_ids.q.astype(jnp.int32), jnp.where(segment_ids.kv == 0, -1, segment_ids.kv).astype(jnp.int32)]
@@ -663,7 +664,7 @@ def forward(q, k, v, segment_ids, stab: KeyBounds | Certificate | None, *, mode:
                        "(stabilizer.key_bounds gives it for bidirectional packed rows only)")
     args += list(kernel_key_inputs(keys, row_centres=row_centres, dtype=q.dtype, seq=seq, tile=bs.tile))
     out_type.append(out_struct((batch, num_heads, seq), jnp.float32, q))  # certified flag per row
-  if kernel.keywords["config"].tc_sum:
+  if config.tc_sum:
     args.append(jnp.ones((bs.block_kv, SUM_COLUMNS), q.dtype))
   outs = plgpu.kernel(
       kernel,
