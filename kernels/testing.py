@@ -90,3 +90,20 @@ def inputs(family, batch, seq, hq, hkv, d, *, seed=0, dtype=jnp.bfloat16):
   for position, factor in sinks:
     k = k.at[:, position].set(factor * median * k[:, position] / jnp.linalg.norm(k[:, position], axis=-1, keepdims=True))
   return [x.astype(dtype) for x in (q, k, v, do)] + [seg]
+
+
+def _lower_for(device_kind, num_cores, platform, lowering_platform):
+  def lower(fn, *args):
+    device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=num_cores, platform=platform)
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,), abstract_device=device)
+    with jax.sharding.use_abstract_mesh(mesh):
+      return jax.jit(fn).trace(*args).lower(lowering_platforms=(lowering_platform,)).as_text()
+  return lower
+
+
+# lower_for_h200(fn, *args): lowered text for an H200 on a machine with no GPU (Pallas's Triton and
+# Mosaic GPU backends both lower in Python), so ops a GPU backend cannot lower fail in CI.
+lower_for_h200 = _lower_for("NVIDIA H200", 132, "gpu", "cuda")
+# lower_for_tpu(fn, *args): the same for a TPU v5e (Mosaic TPU's lowering runs in Python and checks
+# block shapes and layouts; the compiler's own checks still need a TPU).
+lower_for_tpu = _lower_for("TPU v5 lite", 1, "tpu", "tpu")

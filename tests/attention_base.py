@@ -23,6 +23,7 @@ from peer_cases import PEER_CASES, check_peer_case
 from clis_kernels.testing import CASES, packed_segments, random_inputs  # noqa: F401 (shared with other tests)
 from clis_kernels.testing import FAMILIES as PRETRAINED_FAMILIES
 from clis_kernels.testing import inputs as pretrained_like
+from clis_kernels.testing import lower_for_h200, lower_for_tpu  # noqa: F401 (the tests' import point)
 
 # Relative L2 error against float64: (forward, gradients).
 TOLERANCE = {jnp.float32: (1e-5, 5e-5), jnp.bfloat16: (1e-2, 2e-2)}
@@ -60,23 +61,6 @@ def assert_matches(got, want, dtype, *, rtol, atol):
     np.testing.assert_allclose(got, want, rtol=rtol, atol=atol)
   else:
     assert ref.rel_err(got, want) < TOLERANCE[dtype][0], ref.rel_err(got, want)
-
-
-def _lower_for(device_kind, num_cores, platform, lowering_platform):
-  def lower(fn, *args):
-    device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=num_cores, platform=platform)
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,), abstract_device=device)
-    with jax.sharding.use_abstract_mesh(mesh):
-      return jax.jit(fn).trace(*args).lower(lowering_platforms=(lowering_platform,)).as_text()
-  return lower
-
-
-# lower_for_h200(fn, *args): lowered text for an H200 on a machine with no GPU (Pallas's Triton and
-# Mosaic GPU backends both lower in Python), so ops a GPU backend cannot lower fail in CI.
-lower_for_h200 = _lower_for("NVIDIA H200", 132, "gpu", "cuda")
-# lower_for_tpu(fn, *args): the same for a TPU v5e (Mosaic TPU's lowering runs in Python and checks
-# block shapes and layouts; the compiler's own checks still need a TPU).
-lower_for_tpu = _lower_for("TPU v5 lite", 1, "tpu", "tpu")
 
 
 class AttentionTests:

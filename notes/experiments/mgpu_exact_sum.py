@@ -10,7 +10,6 @@ forward time against the online loop (interleaved medians, ms), GQA 32/8, D 128,
 import argparse
 import json
 import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +18,7 @@ from clis_bench import benchmarking
 from clis_kernels import attention, pallas_mgpu, testing
 from clis_kernels import reference_f64 as ref
 
-sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "tests"))
+REAL_SAMPLE = pathlib.Path(__file__).parents[2] / "tests" / "data" / "real_small_qkv.safetensors"  # data, not code
 SUMS = {"unrounded": pallas_mgpu.BlockSizes(exact_sum=False), "exact": pallas_mgpu.BlockSizes(exact_sum=True),
         "tensor_cores": pallas_mgpu.BlockSizes(sum_on_tensor_cores=True)}
 
@@ -34,7 +33,14 @@ def errors(q, k, v, do, seg, causal, **kw):
 def accuracy(seq: int, families: list[str]):
   """Real activations (256 tokens of three trained layers) and pretrained-like families at `seq` (the float64
   reference is the slow part: 2048 with three families ran past a 400 s call)."""
-  from attention_base import real_activations
+  from safetensors.numpy import load_file
+  tensors = load_file(str(REAL_SAMPLE))
+
+  def real_activations(layer, seq=256, kv_heads=2):  # the first `seq` tokens, GQA 3 as trained, a random cotangent
+    cut = lambda name, heads: jnp.asarray(tensors[f"layer_{layer}.{name}"][:, :seq, :heads], jnp.bfloat16)
+    q, k, v = cut("q", 3 * kv_heads), cut("k", kv_heads), cut("v", kv_heads)
+    return q, k, v, jax.random.normal(jax.random.PRNGKey(layer), q.shape, jnp.bfloat16)
+
   records = []
   cases = [(f"real_layer{layer}", real_activations(layer) + (None,), True) for layer in (1, 6, 11)]
   for family in families:
