@@ -75,21 +75,26 @@ def test_plan_takes_the_kernel_only_for_calls_it_supports():
   assert ref.row_bounds_kernel(causal=True, **args) is None
 
 
-@pytest.mark.parametrize("causal,family", [(True, "packed_sinks"), (False, "sink0")])
-def test_attention_with_the_kernel_bound_is_exact_and_certifies(causal, family):
-  q, k, v, do, seg = testing.inputs(family, 1, 256, 4, 2, 64, dtype=jnp.bfloat16)
-  kw = dict(causal=causal, implementation="pallas_gpu", interpret=True)
-  run = lambda stab: jax.vjp(lambda a, b, c: api.attention(a, b, c, seg, stabilizer=stab, bound="blocks", **kw),
-                             q, k, v)
-  out, pullback = run("clis")
-  online, online_pullback = run("online")
-  _, stats = api.attention(q, k, v, seg, bound="blocks", return_stats=True, **kw)
+def check_block_bound_call(family, causal, shape, **kw):
+  """bound="blocks" through api.attention: nearly every tile certified, and forward and gradients no less
+  accurate than online against float64 (relative error within CLIS_VS_ONLINE of online's, as in the shared
+  base; the worst element within one bf16 rounding step of online's worst)."""
+  q, k, v, do, seg = testing.inputs(family, *shape, dtype=jnp.bfloat16)
+  kw = dict(causal=causal, bound="blocks", **kw)
+  run = lambda stab: jax.vjp(lambda a, b, c: api.attention(a, b, c, seg, stabilizer=stab, **kw), q, k, v)
+  (out, pullback), (online, online_pullback) = run("clis"), run("online")
+  _, stats = api.attention(q, k, v, seg, return_stats=True, **kw)
   want, *want_grads = ref.attention(q, k, v, do, seg, causal=causal)
   assert float(stats.certified_fraction) >= 0.95
   step = lambda x: 2.0 ** (np.floor(np.log2(np.abs(np.asarray(x, np.float64)).max())) - 7)  # bf16's ulp at max|x|
   for got, base, exact in zip((out, *pullback(do)), (online, *online_pullback(do)), (want, *want_grads)):
     assert ref.rel_err(got, exact) <= CLIS_VS_ONLINE * ref.rel_err(base, exact)
     assert ref.max_abs_err(got, exact) <= ref.max_abs_err(base, exact) + step(exact)
+
+
+@pytest.mark.parametrize("causal,family", [(True, "packed_sinks"), (False, "sink0")])
+def test_attention_with_the_kernel_bound_is_exact_and_certifies(causal, family):
+  check_block_bound_call(family, causal, (1, 256, 4, 2, 64), implementation="pallas_gpu", interpret=True)
 
 
 ON_GPU = jax.devices()[0].platform == "gpu"
@@ -133,17 +138,5 @@ def test_kernel_lowers_for_the_gpu(causal, packed):
 @pytest.mark.skipif(not ON_GPU, reason="the Mosaic GPU kernels need an NVIDIA Hopper GPU")
 @pytest.mark.parametrize("causal,family", [(True, "sinks_many"), (True, "packed_sinks"), (False, "outlier_channels")])
 def test_block_bound_through_the_mosaic_kernel_matches_float64_on_gpu(causal, family):
-  """bound="blocks" on the Mosaic GPU forward (its certificate mode) and backward: exact against float64,
-  no less accurate than online (relative error within CLIS_VS_ONLINE of online's, as in the shared base; the
-  worst element within one bf16 rounding step of online's worst), nearly every tile certified."""
-  q, k, v, do, seg = testing.inputs(family, 1, 2048, 8, 2, 128, dtype=jnp.bfloat16)
-  kw = dict(causal=causal, implementation="pallas_mgpu", bound="blocks")
-  run = lambda stab: jax.vjp(lambda a, b, c: api.attention(a, b, c, seg, stabilizer=stab, **kw), q, k, v)
-  (out, pullback), (online, online_pullback) = run("clis"), run("online")
-  _, stats = api.attention(q, k, v, seg, return_stats=True, **kw)
-  want, *want_grads = ref.attention(q, k, v, do, seg, causal=causal)
-  assert float(stats.certified_fraction) >= 0.95
-  step = lambda x: 2.0 ** (np.floor(np.log2(np.abs(np.asarray(x, np.float64)).max())) - 7)  # bf16's ulp at max|x|
-  for got, base, exact in zip((out, *pullback(do)), (online, *online_pullback(do)), (want, *want_grads)):
-    assert ref.rel_err(got, exact) <= CLIS_VS_ONLINE * ref.rel_err(base, exact)
-    assert ref.max_abs_err(got, exact) <= ref.max_abs_err(base, exact) + step(exact)
+  """bound="blocks" on the Mosaic GPU forward (its certificate mode) and backward (check_block_bound_call)."""
+  check_block_bound_call(family, causal, (1, 2048, 8, 2, 128), implementation="pallas_mgpu")
