@@ -58,12 +58,12 @@ class BlockSizes:
   pingpong: the two compute warpgroups take turns on the tensor cores (FA3's schedule); False lets
   both issue wgmma as soon as their operands are ready.
   overlap: the certified loop issues block i+1's Q·Kᵀ before block i's softmax (needs pingpong=False).
-  sum_on_tensor_cores: that sum as a second wgmma, P·ones against a [block_kv, 16] tile of ones in shared
-  memory, issued with P·V (no conversion on the vector units).
   exact_sum: the certified loop's l sums the weights as rounded for P·V (stabilizer.py, "Normalisation"),
   added after the softmax hands the tensor cores over. False sums them unrounded, as the online path does:
   a little faster, and less accurate than the online path on real activations (both measured in BENCHMARKS.md,
   "the certified loop's normaliser").
+  sum_on_tensor_cores: that sum as a second wgmma, P·ones against a [block_kv, 16] tile of ones in shared
+  memory, issued with P·V (no conversion on the vector units).
   The backward is the registry's choice (plan.py): "pallas_mgpu" takes pallas_mgpu_vjp's,
   "pallas_mgpu_triton_bwd" pallas_gpu_vjp's, each with its own BlockSizes.
   """

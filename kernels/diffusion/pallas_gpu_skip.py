@@ -86,8 +86,9 @@ def _kernel(q_ref, k_ref, v_ref, visit_ref, count_ref, *refs, certify: bool, tra
 
 def forward(q, k, v, skip, stab, *, mode: Mode, scale: float, kv_len: int | None, seq_len: int,
             block_sizes: BlockSizes, track: bool, interpret: bool = False):
-  """The skip-forward contract of kernels/diffusion (skipping.py calls every backend's so): q, k, v padded to whole tiles ([B, S, H, D], [B, Sk, Hkv, D]); skip [B, H, nq, nk] bool (SkipState.skip);
-  stab as plan.stabilizer_inputs takes it for `mode`
+  """The skip-forward contract of kernels/diffusion (skipping.py calls every backend's so): q, k, v padded
+  to whole tiles ([B, S, H, D], [B, Sk, Hkv, D]); skip [B, H, nq, nk] bool (SkipState.skip); stab as
+  plan.stabilizer_inputs takes it for `mode`
   (KeyBounds or None: this kernel certifies in its prologue). Returns (o, gap [B, H, nq, nk], log2_l [B, H, nq])."""
   if mode not in (Mode.KEYS, Mode.ONLINE):
     raise ValueError(f"the Triton skip kernel certifies each tile itself: {mode=} must be Mode.KEYS or Mode.ONLINE")

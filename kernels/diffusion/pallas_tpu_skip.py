@@ -72,8 +72,9 @@ def _kernel(visit_ref, count_ref, cert_ref, q_ref, k_ref, v_ref, m_in_ref, o_ref
 
 def forward(q, k, v, skip, stab, *, mode: Mode, scale: float, kv_len: int | None, seq_len: int,
             block_sizes: BlockSizes, track: bool, interpret: bool = False):
-  """The skip-forward contract of kernels/diffusion (skipping.py calls every backend's so): q, k, v padded to whole tiles ([B, S, H, D], [B, Sk, Hkv, D]); skip [B, H, nq, nk] bool (SkipState.skip);
-  stab as plan.stabilizer_inputs takes it for `mode`
+  """The skip-forward contract of kernels/diffusion (skipping.py calls every backend's so): q, k, v padded
+  to whole tiles ([B, S, H, D], [B, Sk, Hkv, D]); skip [B, H, nq, nk] bool (SkipState.skip); stab as
+  plan.stabilizer_inputs takes it for `mode`
   (the XLA pre-pass's Certificate, or None). Returns (o, gap [B, H, nq, nk], log2_l [B, H, nq])."""
   if mode is Mode.KEYS:
     raise ValueError(f"the Mosaic TPU skip kernel takes the XLA certificate: {mode=} must not be Mode.KEYS")
