@@ -47,16 +47,24 @@ def parse(output: str) -> list[dict]:
           for m in STEP_LINE.finditer(output)]
 
 
-def run_variant(variant: str, args, out_dir: str) -> dict:
+def run_variant(variant: str, args, out_dir: str, log_path: pathlib.Path) -> dict:
+  """Runs one variant to completion or `--timeout` (then exit status None and its steps so far); its whole
+  console output goes to `log_path`."""
   cmd = command(variant, config=args.config, steps=args.steps, out_dir=out_dir, overrides=args.overrides)
-  done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=dict(os.environ))
-  output = done.stdout + done.stderr
+  try:
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=dict(os.environ))
+    returncode, output = done.returncode, done.stdout + done.stderr
+  except subprocess.TimeoutExpired as e:
+    returncode = None
+    output = "".join(x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr))
+    output += f"\n[bench_maxtext] timed out after {args.timeout:.0f} s (--timeout)\n"
+  log_path.write_text(output)
   steps = parse(output)
   timed = [s for s in steps if s["step"] >= args.skip]
-  record = dict(variant=variant, returncode=done.returncode, command=" ".join(cmd[1:]), steps=steps,
-                clis_calls_logged=output.count(CLIS_LINE))
-  if done.returncode != 0 or not timed:
-    errors = [line for line in output.splitlines() if "Error" in line or "error" in line]
+  record = dict(variant=variant, returncode=returncode, command=" ".join(cmd[1:]), steps=steps,
+                clis_calls_logged=output.count(CLIS_LINE), log=log_path.name)
+  if returncode != 0 or not timed:
+    errors = [line for line in output.splitlines() if "Error" in line or "error" in line or "timed out" in line]
     record["error"] = errors[-1].strip() if errors else output.strip().splitlines()[-1:]
     return record
   record.update(step_s=statistics.median(s["seconds"] for s in timed),
@@ -126,12 +134,15 @@ def main(argv=None):
   args.config = args.config or maxtext_config()
   import jax
   from clis_bench import benchmarking
-  with tempfile.TemporaryDirectory() as out_dir:
-    records = [run_variant(v, args, out_dir) for v in args.variants]
-  result = dict(variants=records, summary=summarize(records), argv=sys.argv[1:] if argv is None else argv,
-                **benchmarking.device_meta(), device_count=jax.device_count())
   path = pathlib.Path(args.out)
   path.parent.mkdir(parents=True, exist_ok=True)
+  records = []
+  with tempfile.TemporaryDirectory() as out_dir:
+    for v in args.variants:
+      records.append(run_variant(v, args, out_dir, path.with_name(f"{path.stem}-{v}.log")))
+      result = dict(variants=records, summary=summarize(records), argv=sys.argv[1:] if argv is None else argv)
+      path.write_text(json.dumps(result, indent=1))  # after each variant, so a killed run keeps what finished
+  result.update(**benchmarking.device_meta(), device_count=jax.device_count())
   path.write_text(json.dumps(result, indent=1))
   path.with_suffix(".md").write_text(markdown(result))
   plot(result, path.with_suffix(".png"))

@@ -12,11 +12,12 @@ import pytest
 from flax.linen import partitioning
 
 from clis_kernels import reference_f64 as ref
-import maxtext
-from clis_train.integrations import maxtext as clis_maxtext
-from maxtext.common import common_types
-from maxtext.configs import pyconfig
-from maxtext.layers import attention_op
+
+maxtext = pytest.importorskip("maxtext", reason="the maxtext extra is not installed (scripts/setup.sh installs it)")
+from clis_train.integrations import maxtext as clis_maxtext  # noqa: E402
+from maxtext.common import common_types  # noqa: E402
+from maxtext.configs import pyconfig  # noqa: E402
+from maxtext.layers import attention_op  # noqa: E402
 
 pytestmark = pytest.mark.maxtext
 

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from clis_kernels import attention as clis_attention
-from clis_kernels import diffusion, reference
+from clis_kernels import diffusion
 from clis_kernels import plan as plan_lib
 from examples.video_dit.model import DiTConfig, VideoDiT
 
@@ -25,15 +25,9 @@ BACKENDS = ("xla", "cudnn", "online", "clis", "online_skip", "clis_skip")
 
 @functools.lru_cache(maxsize=None)
 def skip_plan(cfg: DiTConfig) -> plan_lib.Plan:
-  """The skip path's plan: plan.py picks this platform's skip kernel (Triton on GPUs, Mosaic on
-  TPUs, the reference elsewhere); on the reference, 64-row tiles give the small CPU example several
-  tiles per row."""
-  kw = dict(dtype=jnp.dtype(cfg.dtype), head_dim=cfg.head_dim, seq_len=cfg.tokens, skipping=True)
-  plan = plan_lib.make_plan(**kw)
-  if plan.entry.name == "reference":
-    plan = plan_lib.make_plan(implementation="reference", block_sizes=reference.BlockSizes(block_q=64, block_k=64),
-                              **kw)
-  return plan
+  """The skip path's plan: plan.py picks this platform's skip kernel and its tiles (Triton on GPUs,
+  Mosaic on TPUs, the reference elsewhere)."""
+  return plan_lib.make_plan(dtype=jnp.dtype(cfg.dtype), head_dim=cfg.head_dim, seq_len=cfg.tokens, skipping=True)
 
 
 def _skip_kw(cfg: DiTConfig) -> dict:

@@ -4,13 +4,16 @@
 # image lacks (made on the CPU machine: `pip download --no-deps` of the packages the CPU run imports that
 # are not in KINDS.md's list). xprof (32 MB, imported only by tokamax's benchmarking module) does not fit
 # the 64 MiB carry: an empty stub stands in for it.
-#   source notes/experiments/device_env.sh && bash notes/experiments/maxtext_h200.sh
+#   source notes/experiments/device_env.sh && bash notes/experiments/maxtext_h200.sh [SEQ_LEN [VARIANT...]]
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .whl-maxtext/*.whl > /dev/null 2>&1
 mkdir -p /tmp/site/xprof/cli && touch /tmp/site/xprof/__init__.py /tmp/site/xprof/cli/__init__.py
 echo "get_kernel_stats_tool = None  # stub: see notes/experiments/maxtext_h200.sh" > /tmp/site/xprof/cli/tools.py
 MODEL="model_name=llama3-8b override_model_config=true base_emb_dim=2048 base_num_decoder_layers=16 \
 base_mlp_dim=8192 base_num_query_heads=32 base_num_kv_heads=8 head_dim=64 logits_via_embedding=true"
-python3 scripts/bench_maxtext.py --variants clis clis_online flash dot_product cudnn_flash_te --steps 20 \
-    --timeout 540 --out "$OUT/maxtext.json" skip_jax_distributed_system=true $MODEL \
-    per_device_batch_size=1 max_target_length=8192 packing=true dtype=bfloat16 remat_policy=full
+SEQ=${1:-8192}
+shift || true
+VARIANTS=${*:-clis dot_product flash clis_online cudnn_flash_te}
+python3 scripts/bench_maxtext.py --variants $VARIANTS --steps 20 --timeout 105 --out "$OUT/maxtext_s$SEQ.json" \
+    skip_jax_distributed_system=true $MODEL per_device_batch_size=1 max_target_length=$SEQ packing=true \
+    dtype=bfloat16 remat_policy=full
