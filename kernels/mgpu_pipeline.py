@@ -55,11 +55,12 @@ def stream_blocks(load, *, num_blocks, slots: int, free):
 
 
 def stream_kv(k_ref, v_ref, kseg_ref, k_smem, v_smem, kseg_smem, k_ready, v_ready, kseg_ready, *, batch, kv_head,
-              block_kv: int, num_blocks, slots: int, free):
+              block_kv: int, num_blocks, slots: int, free, block_of=lambda i: i):
   """stream_blocks for the K and V blocks of one (batch, kv head), and their key segment ids when
-  packed (kseg_ref not None): block i is keys [i·block_kv, (i+1)·block_kv)."""
-  def load(block, slot):
-    keys = pl.ds(block * block_kv, block_kv)
+  packed (kseg_ref not None): step i loads keys [b·block_kv, (b+1)·block_kv) of block b = block_of(i)
+  (i itself, or a kept-tile list's entry)."""
+  def load(step, slot):
+    keys = pl.ds(block_of(step) * block_kv, block_kv)
     plgpu.copy_gmem_to_smem(k_ref.at[batch, keys, kv_head], k_smem.at[slot], k_ready.at[slot])
     plgpu.copy_gmem_to_smem(v_ref.at[batch, keys, kv_head], v_smem.at[slot], v_ready.at[slot])
     if kseg_ref is not None:

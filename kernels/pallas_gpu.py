@@ -72,6 +72,11 @@ class BlockSizes:
   def multiple(self) -> int:
     return max(getattr(self, f.name) for f in dataclasses.fields(self) if f.name.startswith("block"))
 
+  @property
+  def skip_tiles(self) -> tuple[int, int]:
+    """(rows, keys) of a temporal-skipping tile: the q tile and the certified loop's step."""
+    return self.block_q, self.block_k_fixed
+
 
 def padded_head_dim(head_dim: int) -> int:
   """The head dim the Triton kernels run at (a power of two >= 16, Triton's dot shapes): the API pads

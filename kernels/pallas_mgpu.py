@@ -46,6 +46,7 @@ HEAD_DIMS = (64, 128)
 DTYPES = (jnp.bfloat16, jnp.float16)
 FAILED_TILE_M = 1e30  # M sent for rows of a tile the XLA certificate failed (real M are far smaller)
 ONLINE_FLOOR = -1e20  # the online loop's starting max (base 2): below any real logit
+LIST_COLUMNS = 128  # a kept-tile list lies in rows of this many entries (one TMA box holds <= 256 per dimension)
 SUM_COLUMNS = 16  # columns of the ones tile the tensor-core sum multiplies by (32-byte rows: wgmma's least swizzle)
 
 
@@ -96,6 +97,12 @@ class BlockSizes:
   @property
   def multiple(self) -> int:
     return max(COMPUTE_WARPGROUPS * self.block_q, self.block_kv)
+
+  @property
+  def skip_tiles(self) -> tuple[int, int]:
+    """(rows, keys) of a temporal-skipping tile: a CTA's rows (both compute warpgroups walk one kept-tile
+    list) and a KV block."""
+    return COMPUTE_WARPGROUPS * self.block_q, self.block_kv
 
 
 def default_block_sizes(head_dim: int, seq_len: int, dtype) -> BlockSizes:
@@ -150,6 +157,9 @@ class _Config:
   overlap: bool
   exact_sum: bool
   tc_sum: bool  # BlockSizes.sum_on_tensor_cores, in a mode with a certified loop
+  listed: bool = False  # walk a kept-tile list per CTA (temporal skipping; bidirectional, unpacked)
+  track: bool = False  # listed: write each visited block's row maxima (the skip marking statistic)
+  list_width: int = 0  # listed: entries per list (a power of two); the last holds the count
 
 
 class _Refs(NamedTuple):
@@ -167,6 +177,8 @@ class _Refs(NamedTuple):
   lse: Any
   flags: Any  # "keys": the certified flag per row, out
   ones: Any = None  # tc_sum: [block_kv, 16] ones, the B operand of the sum's wgmma
+  visit: Any = None  # listed: [B, Hq, CTAs, rows, columns] int32, kept KV blocks in order, the count last
+  rowmax: Any = None  # track: [B, Hq, KV blocks, S] f32 out, max_j t_ij per visited block and row (log2 units)
 
 
 class _Scratch(NamedTuple):
@@ -208,6 +220,14 @@ class _SegScratch(NamedTuple):
   kseg_ready: Any
 
 
+class _ListScratch(NamedTuple):
+  """Kept-tile lists: the CTA's list, and two row-maximum buffers per compute warpgroup (track)."""
+
+  visit: Any
+  visit_ready: Any
+  rowmax: Any
+
+
 class _Rows(NamedTuple):
   """What one compute warpgroup works on."""
 
@@ -225,10 +245,14 @@ class _Rows(NamedTuple):
   dtype: Any  # q's (the weights are rounded to it for P·V)
   take_turn: Callable  # _take_turn and _turn bound once per CTA: pl.when traces each function once
   turn: Callable
+  block_of: Callable  # loop step -> the KV block it visits (the step itself, or the kept-tile list's entry)
+  lists: Any = None  # _ListScratch when listed
+  rowmax: Any = None  # track: the row-maximum output (_Refs.rowmax)
 
 
 def _scratch(c: _Config, dtype, head_dim: int):
-  """The run_scoped allocations, grouped as _Scratch, _KeysScratch (or None), _SegScratch (or None)."""
+  """The run_scoped allocations, grouped as _Scratch, _KeysScratch, _SegScratch, _ListScratch (each but the
+  first None where the call has none)."""
   wgs, bq, bkv = COMPUTE_WARPGROUPS, c.block_q, c.block_kv
   common = _Scratch(
       plgpu.SMEM((wgs, bq, head_dim), dtype, transforms=swizzled()),
@@ -255,16 +279,22 @@ def _scratch(c: _Config, dtype, head_dim: int):
   if c.has_segments:
     segs = _SegScratch(plgpu.SMEM((wgs, bq), jnp.int32), plgpu.SMEM((c.slots, bkv), jnp.int32),
                        plgpu.Barrier(num_barriers=wgs), plgpu.Barrier(num_barriers=c.slots))
-  return common, keys, segs
+  lists = None
+  if c.listed:
+    lists = _ListScratch(plgpu.SMEM(_list_shape(c.list_width), jnp.int32), plgpu.Barrier(num_barriers=1),
+                         plgpu.SMEM((wgs, 2, bq), jnp.float32))
+  return common, keys, segs, lists
 
 
 def _kernel(q_ref, k_ref, v_ref, *refs, config: _Config):
   c = config
-  qseg_ref = kseg_ref = m_ref = centre_ref = bounds_ref = flags_ref = ones_ref = None
-  num_outputs = 3 if c.mode == "keys" else 2
+  qseg_ref = kseg_ref = m_ref = centre_ref = bounds_ref = flags_ref = ones_ref = visit_ref = rowmax_ref = None
+  num_outputs = 2 + (c.mode == "keys") + c.track
   inputs, outputs = refs[:-num_outputs], refs[-num_outputs:]
   if c.has_segments:
     (qseg_ref, kseg_ref), inputs = inputs[:2], inputs[2:]
+  if c.listed:
+    (visit_ref,), inputs = inputs[:1], inputs[1:]
   if c.tc_sum:  # the last input
     ones_ref, inputs = inputs[-1], inputs[:-1]
   if c.mode == "cert":
@@ -272,34 +302,46 @@ def _kernel(q_ref, k_ref, v_ref, *refs, config: _Config):
   elif c.mode == "keys":
     centre_ref, bounds_ref = inputs
   o_ref, lse_ref, *rest = outputs
-  flags_ref = rest[0] if rest else None
+  if c.mode == "keys":
+    flags_ref, rest = rest[0], rest[1:]
+  if c.track:
+    (rowmax_ref,) = rest
   g = _Refs(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, m_ref, centre_ref, bounds_ref, o_ref, lse_ref, flags_ref,
-            ones_ref)
+            ones_ref, visit_ref, rowmax_ref)
   dtype, head_dim = q_ref.dtype, q_ref.shape[-1]
   batch, head = lax.axis_index("batch"), lax.axis_index("heads")
   cta_row0 = cta_first_row(q_ref.shape[1], c.block_q, causal=c.causal)
-  _, cta_blocks = _kv_range(c, g, cta_row0, COMPUTE_WARPGROUPS * c.block_q)  # what the memory warpgroup loads
+  if not c.listed:  # what the memory warpgroup loads (listed: the list's count, read in shared memory)
+    _, cta_blocks = _kv_range(c, g, cta_row0, COMPUTE_WARPGROUPS * c.block_q)
 
-  def body(s: _Scratch, ks: _KeysScratch | None, ss: _SegScratch | None):
+  def body(s: _Scratch, ks: _KeysScratch | None, ss: _SegScratch | None, ls: _ListScratch | None):
     wg = lax.axis_index("wg")
     kv_head = lax.div(head, jnp.int32(c.group))
     turns = functools.partial(_take_turn, s), functools.partial(_turn, c, s)
 
     if c.tc_sum:
       pl.when(wg == 0)(lambda: plgpu.copy_gmem_to_smem(g.ones, s.ones, s.ones_ready.at[0]))
+    if c.listed:  # one list per CTA: the memory warpgroup loads it, every warpgroup reads it
+      pl.when(wg == COMPUTE_WARPGROUPS)(lambda: plgpu.copy_gmem_to_smem(
+          g.visit.at[batch, head, lax.axis_index("q_tiles")], ls.visit, ls.visit_ready.at[0]))
+      plgpu.barrier_wait(ls.visit_ready.at[0])
+      _, blocks = _listed_range(c, ls)
+      block_of = functools.partial(_list_entry, c, ls)
+    else:
+      blocks, block_of = cta_blocks, lambda i: i
 
     @pl.when(wg < COMPUTE_WARPGROUPS)
     def _compute():
       plgpu.set_max_registers(232, action="increase")
-      _compute_warpgroup(c, g, s, ks, ss, wg=wg, batch=batch, head=head, kv_head=kv_head, cta_row0=cta_row0,
-                         cta_blocks=cta_blocks, turns=turns)
+      _compute_warpgroup(c, g, s, ks, ss, ls, wg=wg, batch=batch, head=head, kv_head=kv_head, cta_row0=cta_row0,
+                         cta_blocks=blocks, turns=turns, block_of=block_of)
 
     @pl.when(wg == COMPUTE_WARPGROUPS)
     def _memory():
       plgpu.set_max_registers(40, action="decrease")
       stream_kv(k_ref, v_ref, kseg_ref, s.k, s.v, None if ss is None else ss.kseg, s.k_ready, s.v_ready,
                 None if ss is None else ss.kseg_ready, batch=batch, kv_head=kv_head, block_kv=c.block_kv,
-                num_blocks=cta_blocks, slots=c.slots, free=(s.k_free, s.v_free))
+                num_blocks=blocks, slots=c.slots, free=(s.k_free, s.v_free), block_of=block_of)
 
   pl.run_scoped(body, *_scratch(c, dtype, head_dim), collective_axes="wg")
 
@@ -307,6 +349,28 @@ def _kernel(q_ref, k_ref, v_ref, *refs, config: _Config):
 def _kv_range(c: _Config, g: _Refs, row0, rows):
   return kv_blocks(row0, rows, causal=c.causal, block_kv=c.block_kv, num_kv_blocks=g.k.shape[1] // c.block_kv,
                    kv_len=c.kv_len)
+
+
+def _list_shape(width: int) -> tuple[int, int]:
+  columns = min(width, LIST_COLUMNS)
+  return width // columns, columns
+
+
+def _list_entry(c: _Config, ls: _ListScratch, i):
+  """Entry i of the CTA's kept-tile list (a scalar load from shared memory)."""
+  columns = _list_shape(c.list_width)[1]
+  return ls.visit[lax.div(i, jnp.int32(columns)), lax.rem(i, jnp.int32(columns))]
+
+
+def _listed_range(c: _Config, ls: _ListScratch):
+  """(unmasked, total) steps over the CTA's kept-tile list: the last step is masked when it visits the
+  last KV block and the keys end inside it (kv_len); the list is in increasing block order."""
+  count = _list_entry(c, ls, jnp.int32(c.list_width - 1))
+  if c.kv_len is None:
+    return count, count
+  last_block = (c.kv_len - 1) // c.block_kv
+  ends_partial = (_list_entry(c, ls, jnp.maximum(count - 1, 0)) == last_block).astype(jnp.int32)
+  return count - ends_partial, count
 
 
 def _take_turn(s: _Scratch):
@@ -332,12 +396,12 @@ def _one_warpgroup_at_a_time(s: _Scratch, r: _Rows, decide):
   return result
 
 
-def _compute_warpgroup(c: _Config, g: _Refs, s: _Scratch, ks, ss, *, wg, batch, head, kv_head, cta_row0,
-                       cta_blocks, turns):
+def _compute_warpgroup(c: _Config, g: _Refs, s: _Scratch, ks, ss, ls, *, wg, batch, head, kv_head, cta_row0,
+                       cta_blocks, turns, block_of):
   """Prologue (loads, then the certificate or the XLA one's M), the KV loop it allows, the epilogue."""
   q_smem, rows = s.qo.at[wg], s.rows.at[wg]
   row0 = cta_row0 + wg * c.block_q
-  full, total = _kv_range(c, g, row0, c.block_q)
+  full, total = _listed_range(c, ls) if c.listed else _kv_range(c, g, row0, c.block_q)
   plgpu.copy_gmem_to_smem(g.q.at[batch, pl.ds(row0, c.block_q), head], q_smem, s.q_ready.at[wg])
   if c.mode == "cert":
     plgpu.copy_gmem_to_smem(g.m.at[batch, head, pl.ds(row0, c.block_q)], rows, s.m_ready.at[wg])
@@ -355,7 +419,8 @@ def _compute_warpgroup(c: _Config, g: _Refs, s: _Scratch, ks, ss, *, wg, batch, 
   if c.has_segments:
     plgpu.barrier_wait(ss.qseg_ready.at[wg])
     q_ids = plgpu.load(ss.qseg.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
-  r = _Rows(wg, batch, head, kv_head, row0, full, total, cta_blocks, q_smem, rows, q_ids, g.q.dtype, *turns)
+  r = _Rows(wg, batch, head, kv_head, row0, full, total, cta_blocks, q_smem, rows, q_ids, g.q.dtype, *turns,
+            block_of, ls, g.rowmax)
 
   if c.mode in ("cert", "keys"):
     if c.mode == "cert":
@@ -487,7 +552,7 @@ def _visible(c: _Config, s: _Scratch, ss, r: _Rows, qk, i, slot, masked: bool):
   plgpu.barrier_arrive(s.k_free.at[slot])  # k and its segment ids are read
   if masked:
     q_pos = r.row0 + plgpu.broadcasted_iota(jnp.int32, qk.shape, 0, layout=plgpu.Layout.WGMMA)
-    k_pos = i * c.block_kv + plgpu.broadcasted_iota(jnp.int32, qk.shape, 1, layout=plgpu.Layout.WGMMA)
+    k_pos = r.block_of(i) * c.block_kv + plgpu.broadcasted_iota(jnp.int32, qk.shape, 1, layout=plgpu.Layout.WGMMA)
     qk = jnp.where(q_pos >= k_pos if c.causal else k_pos < c.kv_len, qk, -jnp.inf)
   return qk
 
@@ -505,13 +570,16 @@ def _step(c: _Config, s: _Scratch, ss, r: _Rows, fixed: bool, m0, i, carry, mask
 
   qk = _visible(c, s, ss, r, pl.run_scoped(qk_scope, plgpu.ACC((c.block_q, c.block_kv), jnp.float32)), i, slot,
                 masked)
+  row_max = qk.max(axis=1) * c.sigma2 if c.track or not fixed else None
+  if c.track:
+    _record_row_max(c, r, i, row_max)
   if fixed:  # the certified step: no max, no rescale
     p = jnp.exp2(qk * c.sigma2 - lax.broadcast_in_dim(m, qk.shape, [0]))
     p_low = p.astype(r.dtype)
     if not c.exact_sum:
       l = l + p.sum(axis=1)  # the unrounded weights: see the module docstring
   else:
-    m_new = jnp.maximum(m, qk.max(axis=1) * c.sigma2)
+    m_new = jnp.maximum(m, row_max)
     alpha = jnp.exp2(m - m_new)
     p = jnp.exp2(qk * c.sigma2 - lax.broadcast_in_dim(m_new, qk.shape, [0]))
     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
@@ -552,6 +620,8 @@ def _overlapped_step(c: _Config, s: _Scratch, ss, r: _Rows, m0, i, carry, masked
   acc, l, qk = carry  # qk: block i's logits, already computed
   slot, nxt = lax.rem(i, jnp.int32(c.slots)), lax.rem(i + 1, jnp.int32(c.slots))
   qk = _visible(c, s, ss, r, qk, i, slot, masked)
+  if c.track:
+    _record_row_max(c, r, i, qk.max(axis=1) * c.sigma2)
 
   def scope(next_ref):
     @pl.when(i + 1 < r.total)
@@ -569,6 +639,16 @@ def _overlapped_step(c: _Config, s: _Scratch, ss, r: _Rows, m0, i, carry, masked
   carry = pl.run_scoped(scope, plgpu.ACC((c.block_q, c.block_kv), jnp.float32))
   plgpu.barrier_arrive(s.v_free.at[slot])
   return carry
+
+
+def _record_row_max(c: _Config, r: _Rows, i, row_max):
+  """Writes step i's row maxima [block_q] (log2 units) to rowmax[batch, head, block, rows] through one of
+  two shared-memory buffers; the store issued two steps ago must have read this buffer first."""
+  buf = r.lists.rowmax.at[r.wg, lax.rem(i, jnp.int32(2))]
+  plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+  buf[...] = row_max
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(buf, r.rowmax.at[r.batch, r.head, r.block_of(i), pl.ds(r.row0, c.block_q)])
 
 
 def _drain(c: _Config, s: _Scratch, ss, i, _):
@@ -637,8 +717,27 @@ def forward(q, k, v, segment_ids, stab: KeyBounds | Certificate | None, *, mode:
   S must be a multiple of block_sizes.multiple (the API pads with zeros, which the in-kernel
   certificate relies on: zero rows pass). seq_len: accepted for the API's call, not needed.
   """
-  keys, cert = stabilizer_inputs(stab, mode)
   _no_window_or_cap(window, softcap)
+  o, lse, certified, _ = _launch(q, k, v, segment_ids, stab, mode=mode, causal=causal, scale=scale, kv_len=kv_len,
+                                 block_sizes=block_sizes, interpret=interpret)
+  return o, lse, certified
+
+
+def forward_listed(q, k, v, visit, stab: KeyBounds | None, *, mode: Mode, scale, kv_len, block_sizes: BlockSizes,
+                   track: bool):
+  """Bidirectional, unpacked attention over kept-tile lists (kernels/diffusion's temporal skipping): the CTA
+  of q tile u (2·block_q rows) walks KV blocks visit[b, h, u, :count], count = visit[b, h, u, -1]; the memory
+  warpgroup loads only those blocks, and both loops (certified, online) walk them.
+  Returns (o, lse, certified [B, Hq, S/64] or None, rowmax [B, Hq, KV blocks, S] f32 or None): with track,
+  max_j t_ij (log2 units, σ₂·q·k) over each visited block's keys for every row; unvisited blocks unwritten.
+  """
+  return _launch(q, k, v, None, stab, mode=mode, causal=False, scale=scale, kv_len=kv_len, block_sizes=block_sizes,
+                 interpret=False, visit=visit, track=track)
+
+
+def _launch(q, k, v, segment_ids, stab, *, mode: Mode, causal, scale, kv_len, block_sizes: BlockSizes, interpret,
+            visit=None, track: bool = False):
+  keys, cert = stabilizer_inputs(stab, mode)
   _check(q, k, cert, scale, interpret)
   batch, seq, num_heads, _ = q.shape
   bs = block_sizes
@@ -646,15 +745,23 @@ def forward(q, k, v, segment_ids, stab: KeyBounds | Certificate | None, *, mode:
     raise ValueError(f"{bs.multiple=} must divide the padded lengths {q.shape[1]=} and {k.shape[1]=}")
   mode = {Mode.KEYS: "keys", Mode.ONLINE: "online"}.get(mode, "cert")  # the kernel's loops, by input
   row_centres = keys is not None and keys.centre.shape[1] != 1
+  num_kv_blocks = k.shape[1] // bs.block_kv
   config = _Config(
       mode=mode, causal=causal, sigma2=scale * LOG2E, block_q=bs.block_q, block_kv=bs.block_kv,
-      slots=min(bs.slots, k.shape[1] // bs.block_kv), kv_len=kv_len, group=num_heads // k.shape[2],
+      slots=min(bs.slots, num_kv_blocks), kv_len=kv_len, group=num_heads // k.shape[2],
       has_segments=segment_ids is not None, row_centres=row_centres, pingpong=bs.pingpong, overlap=bs.overlap,
-      exact_sum=bs.exact_sum, tc_sum=bs.sum_on_tensor_cores and mode != "online")
+      exact_sum=bs.exact_sum, tc_sum=bs.sum_on_tensor_cores and mode != "online", listed=visit is not None,
+      track=track and visit is not None, list_width=0 if visit is None else visit.shape[-1])
   kernel = functools.partial(_kernel, config=config)
   args = [q, k, v]
   if segment_ids is not None:  # key id 0 (padding) becomes −1: it then matches no query, padding included
     args += [segment_ids.q.astype(jnp.int32), jnp.where(segment_ids.kv == 0, -1, segment_ids.kv).astype(jnp.int32)]
+  if visit is not None:
+    num_ctas = seq // (COMPUTE_WARPGROUPS * bs.block_q)
+    if causal or segment_ids is not None or visit.shape[:3] != (batch, num_heads, num_ctas):
+      raise ValueError(f"visit.shape={visit.shape} must be {(batch, num_heads, num_ctas)} + (width,) and the call "
+                       "bidirectional and unpacked: kept-tile lists are per (batch, head, CTA q tile)")
+    args.append(visit.astype(jnp.int32).reshape(visit.shape[:3] + _list_shape(visit.shape[-1])))
   out_type = [out_struct(q.shape, q.dtype, q), out_struct((batch, num_heads, seq), jnp.float32, q)]
   if mode == "cert":  # the kernel reads the certificate per row, with M
     args += [jnp.where(_per_row(cert.certified, tile=bs.tile, seq=seq), cert.m, FAILED_TILE_M)]
@@ -664,6 +771,8 @@ def forward(q, k, v, segment_ids, stab: KeyBounds | Certificate | None, *, mode:
                        "(stabilizer.key_bounds gives it for bidirectional packed rows only)")
     args += list(kernel_key_inputs(keys, row_centres=row_centres, dtype=q.dtype, seq=seq, tile=bs.tile))
     out_type.append(out_struct((batch, num_heads, seq), jnp.float32, q))  # certified flag per row
+  if config.track:
+    out_type.append(out_struct((batch, num_heads, num_kv_blocks, seq), jnp.float32, q))
   if config.tc_sum:
     args.append(jnp.ones((bs.block_kv, SUM_COLUMNS), q.dtype))
   outs = plgpu.kernel(
@@ -676,6 +785,7 @@ def forward(q, k, v, segment_ids, stab: KeyBounds | Certificate | None, *, mode:
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )(*args)
   o, lse = outs[:2]
+  rowmax = outs[-1] if config.track else None
   if mode == "keys":
-    return o, lse, outs[2].reshape(batch, num_heads, seq // bs.tile, bs.tile)[..., 0] > 0.5
-  return o, lse, None if cert is None else cert.certified
+    return o, lse, outs[2].reshape(batch, num_heads, seq // bs.tile, bs.tile)[..., 0] > 0.5, rowmax
+  return o, lse, None if cert is None else cert.certified, rowmax

@@ -50,6 +50,11 @@ class BlockSizes:
   def multiple(self) -> int:
     return max(getattr(self, f.name) for f in dataclasses.fields(self))
 
+  @property
+  def skip_tiles(self) -> tuple[int, int]:
+    """(rows, keys) of a temporal-skipping tile: the forward's tiles."""
+    return self.block_q, self.block_k
+
 
 def default_block_sizes(head_dim: int, seq_len: int, dtype) -> BlockSizes:
   """Large tiles amortise the per-step overhead on TPU; shrunk for short sequences."""

@@ -104,7 +104,8 @@ class Entry:
     if call.window_or_cap and not self.window_and_soft_cap:
       return "has no local window or logits soft cap; use 'pallas_gpu' (or implementation=None, which picks it)"
     if call.skipping and self.skip is None:
-      return "has no temporal-skipping forward (kernels/diffusion); use 'pallas_gpu', 'pallas_tpu' or 'reference'"
+      return ("has no temporal-skipping forward (kernels/diffusion); use 'pallas_mgpu', 'pallas_gpu', 'pallas_tpu' "
+              "or 'reference'")
     check = getattr(_module(self.forward), "supports", None)
     if automatic and check is not None and not check(call.dtype, call.head_dim):
       return f"does not take dtype {jnp.dtype(call.dtype).name} with head_dim {call.head_dim}"
@@ -140,7 +141,7 @@ BLOCKS_FROM_MGPU = 16384
 REGISTRY: tuple[Entry, ...] = (
     Entry("pallas_mgpu", 30, ("gpu",), "pallas_mgpu", "pallas_mgpu_vjp", True, interpretable=False,
           hopper_only=True, window_and_soft_cap=False, backward_tiles="pallas_mgpu_vjp", row_bounds="pallas_gpu_bounds",
-          certify_from=CERTIFY_FROM_MGPU, blocks_from=BLOCKS_FROM_MGPU),
+          certify_from=CERTIFY_FROM_MGPU, blocks_from=BLOCKS_FROM_MGPU, skip="diffusion.pallas_mgpu_skip"),
     Entry("pallas_mgpu_triton_bwd", 25, ("gpu",), "pallas_mgpu", "pallas_gpu_vjp", True, interpretable=False,
           hopper_only=True, window_and_soft_cap=False, automatic=False, backward_tiles="pallas_gpu",
           row_bounds="pallas_gpu_bounds", blocks_from=BLOCKS_FROM_MGPU),

@@ -41,6 +41,11 @@ class BlockSizes:
     """Sequence lengths are padded to a multiple of this."""
     return max(self.block_q, self.block_k)
 
+  @property
+  def skip_tiles(self) -> tuple[int, int]:
+    """(rows, keys) of a temporal-skipping tile: the forward's tiles."""
+    return self.block_q, self.block_k
+
 
 def default_block_sizes(head_dim: int, seq_len: int, dtype) -> BlockSizes:
   del head_dim, dtype

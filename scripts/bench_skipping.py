@@ -1,11 +1,12 @@
 """Does the skip kernel's time track the fraction of tiles skipped, at video lengths?
 
 Bidirectional attention (B 1, H heads, D 128) at each sequence length; for each fraction f,
-a skip state marking f of the kv tiles of every (head, q tile) at random, then the skip kernel
-(kernels/diffusion/pallas_gpu_skip.py through diffusion.attention, thr = −inf so no marking
-work; and with marking, `track`) timed round-robin with the dense kernels of the same call
-(clis, online, clis_mgpu, online_mgpu, cuDNN). Records the median ms with [min, max]; the
-markdown table adds each skip variant's time relative to its f = 0 time, to set beside 1 − f.
+a skip state marking f of the kv tiles of every (head, q tile) at random, then each skip kernel
+through diffusion.attention — `mgpu_skip` (kernels/diffusion/pallas_mgpu_skip.py, Hopper's default) and
+`triton_skip` (pallas_gpu_skip.py), thr = −inf so no marking work; and with marking, `*_track` — timed
+round-robin with the dense kernels of the same call (clis, online, clis_mgpu, online_mgpu, cuDNN).
+Records the median ms with [min, max]; the markdown table adds each skip variant's time relative to its
+f = 0 time, to set beside 1 − f.
 
   python scripts/bench_skipping.py --seq-lens 32768 75600 --out benchmarks/results/<date>-<device>-skipping.json
   python scripts/bench_skipping.py --quick --out /tmp/skip.json      # tiny case, CPU, interpret mode
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from clis_kernels import attention, diffusion, pallas_gpu  # noqa: E402
+from clis_kernels import attention, diffusion, plan  # noqa: E402
 from clis_bench import benchmarking  # noqa: E402
 
 
@@ -34,7 +35,7 @@ def random_marks(key, state: diffusion.SkipState, fraction: float) -> diffusion.
   return diffusion.SkipState(rank < round(fraction * nk), state.calls)
 
 
-def variants(q, k, v, fractions, *, quick: bool):
+def variants(q, k, v, fractions, *, quick: bool, kernels=("mgpu", "triton")):
   """{name: zero-argument timed call} for the dense kernels and the skip kernel at each fraction."""
   kw = dict(causal=False, **(dict(implementation="pallas_gpu", interpret=True) if quick else {}))
   dense = {
@@ -46,15 +47,20 @@ def variants(q, k, v, fractions, *, quick: bool):
     dense["online_mgpu"] = functools.partial(attention, causal=False, stabilizer="online", implementation="pallas_mgpu")
     dense["cudnn"] = functools.partial(jax.nn.dot_product_attention, is_causal=False, implementation="cudnn")
   fns = {name: functools.partial(jax.jit(f), q, k, v) for name, f in dense.items()}
-  bs = pallas_gpu.default_block_sizes(q.shape[-1], q.shape[1], q.dtype)
-  empty = diffusion.init_state(q.shape[0], q.shape[2], q.shape[1], bs)
-  for i, f in enumerate(fractions):
-    state = random_marks(jax.random.PRNGKey(i), empty, f)
-    for name, thr in (("clis_skip", -float("inf")), ("clis_skip_track", -1e4)):
-      run = jax.jit(lambda q, k, v, s, thr=thr: diffusion.attention(
-          q, k, v, s, thr=thr, implementation="pallas_gpu", interpret=quick)[0])
-      fns[f"{name}@{f:.2f}"] = functools.partial(run, q, k, v, state)
+  for kernel, implementation in (("triton", "pallas_gpu"),) if quick else [k for k in SKIP_KERNELS if k[0] in kernels]:
+    bs = plan.make_plan(dtype=q.dtype, head_dim=q.shape[-1], seq_len=q.shape[1], causal=False, skipping=True,
+                        implementation=implementation, interpret=quick).block_sizes
+    empty = diffusion.init_state(q.shape[0], q.shape[2], q.shape[1], bs)
+    for i, f in enumerate(fractions):
+      state = random_marks(jax.random.PRNGKey(i), empty, f)
+      for name, thr in ((f"{kernel}_skip", -float("inf")), (f"{kernel}_skip_track", -1e4)):
+        run = jax.jit(lambda q, k, v, s, thr=thr, implementation=implementation: diffusion.attention(
+            q, k, v, s, thr=thr, implementation=implementation, interpret=quick)[0])
+        fns[f"{name}@{f:.2f}"] = functools.partial(run, q, k, v, state)
   return fns
+
+
+SKIP_KERNELS = (("mgpu", "pallas_mgpu"), ("triton", "pallas_gpu"))
 
 
 def plot_sweep(records, path, value=None):
@@ -67,11 +73,11 @@ def plot_sweep(records, path, value=None):
   fig, axes = plt.subplots(1, len(cases), figsize=(5.5 * len(cases), 4), squeeze=False)
   for ax, case in zip(axes[0], cases):
     rows = [r for r in records if r["case"] == case]
-    for impl in ("clis_skip", "clis_skip_track"):
+    for impl in sorted({r["impl"].partition("@")[0] for r in rows if "@" in r["impl"]}):
       pts = sorted((r["skipped"], r["ms"]) for r in rows if r["impl"].partition("@")[0] == impl)
       ax.plot(*zip(*pts), marker="o", label=impl)
-      if impl == "clis_skip":
-        ax.plot([f for f, _ in pts], [pts[0][1] * (1 - f) for f, _ in pts], ":", color="grey", label="ideal")
+      if not impl.endswith("_track"):
+        ax.plot([f for f, _ in pts], [pts[0][1] * (1 - f) for f, _ in pts], ":", color="grey")
     for i, r in enumerate(r for r in rows if "@" not in r["impl"]):
       ax.axhline(r["ms"], ls="--", lw=1, color=plt.get_cmap("tab10").colors[(i + 2) % 10], label=r["impl"])
     ax.set_title(case, fontsize=9)
@@ -88,6 +94,8 @@ def main():
   p.add_argument("--fractions", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75])
   p.add_argument("--repeats", type=int, default=10)
   p.add_argument("--inner", type=int, default=3)
+  p.add_argument("--kernels", nargs="+", default=["mgpu", "triton"], choices=[k for k, _ in SKIP_KERNELS],
+                 help="skip kernels to time (--quick: triton, in interpret mode)")
   p.add_argument("--quick", action="store_true", help="tiny case on the CPU, Pallas in interpret mode")
   p.add_argument("--out", default=None)
   args = p.parse_args()
@@ -99,7 +107,8 @@ def main():
   for s in args.seq_lens:
     q, k, v = (jax.random.normal(key, (1, s, args.heads, 128), jnp.bfloat16)
                for key in jax.random.split(jax.random.PRNGKey(s), 3))
-    timings = benchmarking.interleaved_medians(variants(q, k, v, args.fractions, quick=args.quick),
+    timings = benchmarking.interleaved_medians(variants(q, k, v, args.fractions, quick=args.quick,
+                                                        kernels=args.kernels),
                                                repeats=args.repeats, inner=args.inner)
     flops = 4 * args.heads * s * s * 128
     for name, (med, lo, hi) in timings.items():

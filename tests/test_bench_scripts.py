@@ -82,12 +82,12 @@ def test_bench_skipping_quick(tmp_path):
   out = tmp_path / "skipping.json"
   _run("scripts/bench_skipping.py", "--quick", "--fractions", "0", "0.5", "--out", str(out))
   records = json.loads(out.read_text())
-  assert {r["impl"] for r in records} == {"clis", "online", "clis_skip@0.00", "clis_skip_track@0.00",
-                                          "clis_skip@0.50", "clis_skip_track@0.50"}
+  assert {r["impl"] for r in records} == {"clis", "online", "triton_skip@0.00", "triton_skip_track@0.00",
+                                          "triton_skip@0.50", "triton_skip_track@0.50"}
   for r in records:
     assert REQUIRED <= set(r) and r["ms"] > 0 and r["ms_min"] <= r["ms"] <= r["ms_max"]
     assert (r["vs_unskipped"] is None) == ("@" not in r["impl"])
-  assert next(r for r in records if r["impl"] == "clis_skip@0.00")["vs_unskipped"] == 1.0
+  assert next(r for r in records if r["impl"] == "triton_skip@0.00")["vs_unskipped"] == 1.0
   assert out.with_suffix(".png").stat().st_size > 1000
 
 

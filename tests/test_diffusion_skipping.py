@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 
 from clis_kernels import reference_f64 as ref
-from attention_base import lower_for_h200, lower_for_tpu
-from clis_kernels import attention, diffusion, pallas_gpu, pallas_tpu, reference
-from clis_kernels.plan import Platform
+from attention_base import TOLERANCE, lower_for_h200, lower_for_tpu, random_inputs
+from clis_kernels import attention, diffusion, pallas_gpu, pallas_mgpu, pallas_tpu, plan, reference
+from clis_kernels.plan import HOPPER, Platform
+
+ON_GPU = jax.devices()[0].platform == "gpu"
 
 BS = reference.BlockSizes(block_q=16, block_k=16)
 
@@ -150,14 +152,15 @@ def test_skip_kernel_without_marks_is_dense(implementation, kernel_bs):
 
 
 LOWERINGS = {"pallas_gpu": (pallas_gpu, lower_for_h200, 300, "clis_skip_fwd", Platform("gpu", hopper=True)),
-             "pallas_tpu": (pallas_tpu, lower_for_tpu, 1000, "clis_skip_fwd_tpu", Platform("tpu"))}
+             "pallas_tpu": (pallas_tpu, lower_for_tpu, 1000, "clis_skip_fwd_tpu", Platform("tpu")),
+             "pallas_mgpu": (pallas_mgpu, lower_for_h200, 1000, "custom_call @mosaic_gpu", HOPPER)}
 
 
 @pytest.mark.parametrize("implementation", list(LOWERINGS))
 @pytest.mark.parametrize("track", [True, False])
 def test_skip_kernels_lower_for_their_hardware(implementation, track):
-  """With no GPU or TPU present: the Triton list-driven loop lowers for an H200, the TPU kernel's
-  scalar-prefetched tables and index maps for a TPU v5e, at their default tiles."""
+  """With no GPU or TPU present: the Triton and Mosaic GPU list-driven loops lower for an H200, the TPU
+  kernel's scalar-prefetched tables and index maps for a TPU v5e, at their default tiles."""
   backend, lower, seq, name, platform = LOWERINGS[implementation]
   q = jax.ShapeDtypeStruct((1, seq, 4, 128), jnp.bfloat16)
   bs = backend.default_block_sizes(128, seq, jnp.bfloat16)
@@ -194,3 +197,108 @@ def test_a_loose_threshold_never_skips_a_rows_last_keys():
     assert per_q_tile.max() <= 2.0 ** (-thr - 1) and per_q_tile.max() >= 1
     out = diffusion.attention(q, k, v, marked, thr=-math.inf, block_sizes=BS)[0]
     assert bool(jnp.isfinite(out).all()) and float(jnp.abs(out).sum(-1).min()) > 0  # no row emptied
+
+
+def test_hopper_picks_the_mosaic_gpu_skip_kernel_and_its_tiles():
+  """Through the one front door: skipping on Hopper plans the Mosaic GPU kernel, whose skip tile is a CTA's
+  128 rows by a 128-key block; float32 (which it does not take) falls back to the Triton kernel."""
+  chosen = plan.make_plan(dtype=jnp.bfloat16, head_dim=128, seq_len=32768, skipping=True, causal=False, platform=HOPPER)
+  assert chosen.entry.name == "pallas_mgpu" and chosen.block_sizes.skip_tiles == (128, 128)
+  f32 = plan.make_plan(dtype=jnp.float32, head_dim=128, seq_len=32768, skipping=True, causal=False, platform=HOPPER)
+  assert f32.entry.name == "pallas_gpu"
+  state = diffusion.init_state(1, 2, 1000, chosen.block_sizes)
+  assert state.skip.shape == (1, 2, 8, 8)
+
+
+@pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
+@pytest.mark.parametrize("seq,hkv,stabilizer_name,track", [(1000, 4, "clis", True), (1024, 2, "online", True),
+                                                            (75600, 4, "clis", False)])
+def test_mosaic_gpu_skip_kernel_lowers_with_lists_of_any_length(seq, hkv, stabilizer_name, track):
+  """Lists of 8 to 591 KV blocks (kept in rows of 128 entries for TMA), GQA, odd lengths (a masked last
+  block), the certified and online loops, with and without the row maxima."""
+  q = jax.ShapeDtypeStruct((1, seq, 4, 128), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, seq, hkv, 128), jnp.bfloat16)
+  bs = pallas_mgpu.default_block_sizes(128, seq, jnp.bfloat16)
+  state = diffusion.init_state(1, 4, seq, bs)
+  fn = lambda q, k, v, s: diffusion.attention(q, k, v, s, thr=-10.0 if track else -math.inf, block_sizes=bs,
+                                              stabilizer_name=stabilizer_name, implementation="pallas_mgpu",
+                                              platform=HOPPER)[0]
+  assert lower_for_h200(fn, q, k, k, state).count("custom_call @mosaic_gpu") == 1
+
+
+def _f64_with_skips(q, k, v, skip, rows, keys):
+  """float64 attention with the marked (q tile, kv tile) pairs left out: [B, S, H, D]."""
+  q64, k64, v64 = (np.asarray(x, np.float64) for x in (q, k, v))
+  group = q.shape[2] // k.shape[2]
+  k64, v64 = np.repeat(k64, group, axis=2), np.repeat(v64, group, axis=2)
+  s = np.einsum("bqhd,bkhd->bhqk", q64, k64) / math.sqrt(q.shape[-1])
+  hidden = np.repeat(np.repeat(np.asarray(skip), rows, axis=2), keys, axis=3)[:, :, :q.shape[1], :k.shape[1]]
+  s = np.where(hidden, -np.inf, s)
+  p = np.exp(s - s.max(-1, keepdims=True))
+  return np.einsum("bhqk,bkhd->bqhd", p / p.sum(-1, keepdims=True), v64)
+
+
+MGPU_SKIP_CASES = [("odd_gqa", 1000, 8, 2), ("whole_blocks", 2048, 4, 4), ("odd_long", 4500, 4, 4)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernels run on an NVIDIA Hopper GPU only")
+@pytest.mark.parametrize("case", MGPU_SKIP_CASES, ids=[c[0] for c in MGPU_SKIP_CASES])
+@pytest.mark.parametrize("stabilizer_name", ["clis", "online"])
+def test_mosaic_gpu_skip_kernel_matches_float64_on_gpu(case, stabilizer_name):
+  """Bidirectional, with half the tiles left out at random (never a q tile's every tile), against float64
+  attention that leaves out the same tiles; nothing left out equals the dense kernel within bf16 tolerance;
+  the marking statistic bounds max_{i, j∈u} (t_ij − lse_i) of the float64 call from above, and is tight."""
+  name, seq, hq, hkv = case
+  q, k, v, _ = random_inputs(len(name), 1, seq, hq, hkv, 128, jnp.bfloat16)
+  bs = pallas_mgpu.default_block_sizes(128, seq, jnp.bfloat16)
+  rows, keys = bs.skip_tiles
+  empty = diffusion.init_state(1, hq, seq, bs)
+  run = lambda state, thr=-math.inf: diffusion.attention(q, k, v, state, thr=thr, implementation="pallas_mgpu",
+                                                         stabilizer_name=stabilizer_name)
+  dense_out = run(empty)[0]
+  want_dense = _f64_with_skips(q, k, v, empty.skip, rows, keys)
+  assert ref.rel_err(dense_out, want_dense) < TOLERANCE[jnp.bfloat16][0]
+  want_plain = attention(q, k, v, causal=False, stabilizer=stabilizer_name, implementation="pallas_mgpu")
+  assert ref.rel_err(dense_out, want_plain.astype(jnp.float32)) < TOLERANCE[jnp.bfloat16][0]
+
+  rank = jax.random.uniform(jax.random.PRNGKey(1), empty.skip.shape).argsort(-1).argsort(-1)
+  skip = rank < empty.skip.shape[-1] // 2
+  out = run(diffusion.SkipState(skip, empty.calls))[0]
+  assert bool(jnp.isfinite(out.astype(jnp.float32)).all())
+  assert ref.rel_err(out, _f64_with_skips(q, k, v, skip, rows, keys)) < TOLERANCE[jnp.bfloat16][0]
+
+  plan_ = plan.make_plan(dtype=q.dtype, head_dim=128, seq_len=seq, skipping=True, causal=False,
+                         implementation="pallas_mgpu", stabilizer=stabilizer_name)
+  gap, log2_l = _statistic(q, k, v, empty.skip, plan_, stabilizer_name)
+  exact = _f64_excess(q, k, rows, keys)
+  assert np.all(np.asarray(gap - log2_l[..., None]) >= exact - 0.02)  # bf16 logits: a few ulps of ~8 nats
+  assert np.all(np.asarray(gap - log2_l[..., None]) <= exact + 0.05)
+
+
+def _statistic(q, k, v, skip, plan_, stabilizer_name):
+  """The skip kernel's (gap, log2_l) for this call, as diffusion.attention receives them."""
+  from clis_kernels import api
+  from clis_kernels.stabilizer import default_tau
+  qp, kp, vp = (api.pad_seq(x, plan_.multiple) for x in (q, k, v))
+  kv_len = k.shape[1] if kp.shape[1] != k.shape[1] else None
+  scale = 1 / math.sqrt(q.shape[-1])
+  stab = api.stabilizer_input(plan_, qp, kp, vp, None, causal=False, scale=scale, tau=default_tau(q.dtype),
+                              granularity="tile", seq_len=q.shape[1], kv_seq_len=k.shape[1], window=None,
+                              separate_ids=False, softcap=None)
+  _, gap, log2_l = plan_.backend.skip_forward(qp, kp, vp, skip, stab, mode=plan_.mode, scale=scale, kv_len=kv_len,
+                                              seq_len=q.shape[1], block_sizes=plan_.block_sizes, track=True)
+  return gap, log2_l
+
+
+def _f64_excess(q, k, rows, keys):
+  """max over each (q tile, kv tile) of t_ij − lse_i in log2 units, float64: [B, H, nq, nk]."""
+  q64, k64 = np.asarray(q, np.float64), np.asarray(k, np.float64)
+  k64 = np.repeat(k64, q.shape[2] // k.shape[2], axis=2)
+  t = np.einsum("bqhd,bkhd->bhqk", q64, k64) / math.sqrt(q.shape[-1]) / math.log(2)
+  lse = np.log2(np.exp2(t - t.max(-1, keepdims=True)).sum(-1)) + t.max(-1)
+  excess = t - lse[..., None]
+  nq, nk = -(-q.shape[1] // rows), -(-k.shape[1] // keys)
+  pad = np.full(excess.shape[:2] + (nq * rows, nk * keys), -np.inf)
+  pad[:, :, :q.shape[1], :k.shape[1]] = excess
+  return pad.reshape(*excess.shape[:2], nq, rows, nk, keys).max(axis=(3, 5))

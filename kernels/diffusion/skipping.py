@@ -15,7 +15,8 @@ max, never above the final one) and l_i the final sum in the final stabilizer's 
 gap_u = max over the tile's real rows of the first term, log2_l = min over them of log2 l_i.
 A tile is marked when gap_u − log2_l + log2 block_k < thr (thr in log2 units; −inf marks
 nothing): then every row's weight on it is < 2^thr. Every path (reference, pallas_gpu,
-pallas_tpu) forms exactly these two per-tile numbers.
+pallas_tpu) forms exactly these two per-tile numbers; pallas_mgpu forms the exact max_{j∈u} t_ij − lse_i
+per row from its row maxima and lse (gap, with log2_l = 0), which the bound above only relaxes.
 Guarantee: if row i leaves out tiles of total weight δ_i = Σ w_iu (weights of the inputs of
 that call), its output moves by at most δ_i / (1 − δ_i) · max_j ‖v_j − o_i‖∞ ≤ 2·δ_i/(1 − δ_i)·max|v|,
 and δ_i < (number of skipped tiles)·2^thr. A q tile may skip at most 2^(−thr−1) tiles (those with
@@ -57,9 +58,9 @@ class SkipStats:
 
 
 def tiles(block_sizes) -> tuple[int, int]:
-  """(block_q, block_k) of the skip grid: the kernel's q tile and the step of its kv loop (the Triton
-  kernels' certified loop steps by block_k_fixed)."""
-  return block_sizes.block_q, getattr(block_sizes, "block_k_fixed", block_sizes.block_k)
+  """(rows, keys) of the skip grid, as the backend's BlockSizes.skip_tiles says (the q tile one kept-tile list
+  serves, and the step of the kv loop that walks it)."""
+  return block_sizes.skip_tiles
 
 
 def init_state(batch: int, heads: int, seq_len: int, block_sizes) -> SkipState:
@@ -97,8 +98,9 @@ def attention(q, k, v, state: SkipState, *, thr, scale: float | None = None, blo
 
   q [B, S, H, D], k/v [B, Sk, Hkv, D]. thr: log2 threshold, a float (−inf: mark nothing, and
   skip the marking work) or a traced scalar (a schedule under one jit; marks when finite).
-  implementation: None (the platform's skip kernel, through plan.py: the Triton kernel on GPUs,
-  the Mosaic TPU one on TPUs, the reference elsewhere), or "reference", "pallas_gpu", "pallas_tpu";
+  implementation: None (the platform's skip kernel, through plan.py: the Mosaic GPU kernel on Hopper, the
+  Triton one on other GPUs, the Mosaic TPU one on TPUs, the reference elsewhere), or "reference", "pallas_mgpu",
+  "pallas_gpu", "pallas_tpu";
   interpret=True runs a kernel on the CPU. block_sizes: that backend's.
   Returns (out like q, new SkipState, SkipStats).
   """
