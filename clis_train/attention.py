@@ -4,7 +4,7 @@ clis / online → clis_kernels.attention (the platform's kernel: Mosaic GPU on H
 Triton on other NVIDIA GPUs, Mosaic TPU on TPUs, the reference on CPU);
 clis_mgpu / online_mgpu → the Mosaic GPU kernels by name (Hopper only; an error elsewhere);
 dot_product → dense XLA under the same segment convention; cudnn → jax.nn's cuDNN
-kernel (NVIDIA only). On a mesh of more than one device the kernel runs under
+kernel (NVIDIA only); tokamax → tokamax's Mosaic GPU flash attention (its XLA op off GPUs). On a mesh of more than one device the kernel runs under
 `jax.shard_map`, batch over (data, fsdp) and heads over tensor: Pallas kernels are
 not partitioned by XLA, and every call then sees whole sequences.
 """
@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from clis_kernels import attention as clis_attention
 from clis_kernels import masks
+from clis_train.config import ATTENTIONS
 
 BATCH_AXES = ("data", "fsdp")
 
@@ -27,6 +28,29 @@ def _cudnn(q, k, v, segment_ids):
   seg = jax.vmap(lambda s: masks.visible(jnp.arange(s.shape[0]), jnp.arange(s.shape[0]), s, s, causal=True,
                                          kv_len=None))(segment_ids)
   out = jax.nn.dot_product_attention(q, k, v, mask=seg[:, None], implementation="cudnn")
+  return jnp.where((segment_ids != 0)[:, :, None, None], out, 0).astype(q.dtype)
+
+
+def _document_starts(segment_ids):
+  """[B, S] segment ids -> [B, S] int32: the position of the first token of each token's document (packed
+  documents are contiguous runs of one id)."""
+  pos = jnp.arange(segment_ids.shape[1], dtype=jnp.int32)
+  new = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], 1)
+  return jax.lax.cummax(jnp.where(new, pos, 0), axis=1)
+
+
+def _tokamax(q, k, v, segment_ids, *, on_gpu: bool):
+  """Causal attention within packed documents through tokamax: its ops take a mask whose rows each see keys
+  [k_start, row] (tokamax's own example of independent causal sequences), so no [S, S] array is built.
+  Padding tokens (id 0) form one more document whose outputs are zeroed, as every other backend does."""
+  try:  # tokamax 0.0.17 exports neither Mask (the ops' mask type) nor, without jax_triton, the op via tokamax.ops.gpu
+    from tokamax._src.ops.attention import base, pallas_mosaic_gpu
+  except ImportError as e:
+    raise ValueError("attention='tokamax' needs tokamax (`pip install tokamax`, or the maxtext extra): "
+                     f"{e}") from e
+  op = pallas_mosaic_gpu.PallasMosaicGpuFlashAttention() if on_gpu else base.DotProductAttention()
+  mask = base.Mask(k_start=_document_starts(segment_ids)[:, None, :], is_causal=True)
+  out = op(q, k, v, mask=mask)
   return jnp.where((segment_ids != 0)[:, :, None, None], out, 0).astype(q.dtype)
 
 
@@ -52,8 +76,13 @@ def make_attention(name: str, mesh: jax.sharding.Mesh | None, *, granularity: st
                        "use attention=clis, online or dot_product")
     def attend(q, k, v, seg):
       return _cudnn(q, k, v, seg), jnp.zeros((), jnp.float32)
+  elif name == "tokamax":
+    on_gpu = (platform.name if platform is not None else jax.devices()[0].platform) == "gpu"
+
+    def attend(q, k, v, seg):
+      return _tokamax(q, k, v, seg, on_gpu=on_gpu), jnp.zeros((), jnp.float32)
   else:
-    raise ValueError(f"attention={name!r} must be one of clis, online, clis_mgpu, online_mgpu, cudnn, dot_product")
+    raise ValueError(f"attention={name!r} must be one of {', '.join(ATTENTIONS)}")
 
   if mesh is None or mesh.size == 1:
     return jax.jit(attend)

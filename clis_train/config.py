@@ -31,6 +31,8 @@ ATTENTIONS = {
     "online_mgpu": "online softmax, the Mosaic GPU kernels by name (Hopper only)",
     "cudnn": "jax.nn.dot_product_attention(implementation='cudnn') (NVIDIA only)",
     "dot_product": "dense XLA attention (any platform; memory grows with seq_len^2)",
+    "tokamax": "tokamax's flash attention (its Mosaic GPU kernel on NVIDIA GPUs, its XLA op elsewhere); packed "
+               "documents as a per-row first key (tokamax takes no segment ids); needs `pip install tokamax`",
 }
 CERTIFYING = ("clis", "clis_mgpu")  # the values that log a certified fraction
 # Inside MaxText (clis_train/integrations/maxtext.py) its own `attention=` flag takes these two

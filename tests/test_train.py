@@ -263,6 +263,27 @@ def test_mgpu_attention_reaches_the_mosaic_kernel_with_packed_segments():
     make_attention("clis_mosaic", None)
 
 
+@pytest.mark.maxtext  # tokamax comes with the maxtext extra
+def test_tokamax_attention_keeps_packed_documents_apart():
+  """attention=tokamax: packed causal documents as tokamax's per-row first key; output and gradients equal
+  dot_product's on the CPU (tokamax's XLA op, the same mask its Mosaic GPU kernel takes; tokamax checks the
+  GPU generation itself, so it does not lower on a CPU for an H200)."""
+  pytest.importorskip("tokamax")
+  from clis_kernels.testing import packed_segments, random_inputs
+  from clis_train.attention import _document_starts, make_attention
+  seg = jnp.asarray([[1, 1, 1, 2, 2, 3, 3, 3, 0, 0]])
+  assert _document_starts(seg).tolist() == [[0, 0, 0, 3, 3, 5, 5, 5, 8, 8]]
+  q, k, v, do = random_inputs(3, 2, 192, 4, 2, 64, jnp.float32)
+  seg = packed_segments(3, 2, 192)
+  outs = {}
+  for name in ("tokamax", "dot_product"):
+    fn = make_attention(name, None)
+    out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, seg)[0], q, k, v)
+    outs[name] = (out, *vjp(do))
+  for got, want in zip(outs["tokamax"], outs["dot_product"]):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+
+
 def test_attention_kernels_are_lowered_once_for_all_layers():
   """The step's module holds one copy of each attention kernel however many layers call it (compile time:
   16 layers held 64 Mosaic GPU kernels before make_attention's jit)."""
