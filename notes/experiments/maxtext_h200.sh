@@ -1,14 +1,8 @@
 # Issue 21 on the H200: MaxText's own train loop, a Llama-3.2-1B-shaped model at seq 8192, each attention
 # value back to back (scripts/bench_maxtext.py). Run from the repository root on the device machine with
-# carry [".whl", ".whl-maxtext"]; .whl-maxtext holds the wheels of MaxText's train-loop imports that the GPU
-# image lacks (made on the CPU machine: `pip download --no-deps` of the packages the CPU run imports that
-# are not in KINDS.md's list). xprof (32 MB, imported only by tokamax's benchmarking module) does not fit
-# the 64 MiB carry: an empty stub stands in for it.
+# carry [".whl", ".whl-maxtext"] (notes/experiments/maxtext_wheels.sh installs what the GPU image lacks).
 #   source notes/experiments/device_env.sh && bash notes/experiments/maxtext_h200.sh [SEQ_LEN [VARIANT...]]
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .whl-maxtext/*.whl > /dev/null 2>&1
-mkdir -p /tmp/site/xprof/cli && touch /tmp/site/xprof/__init__.py /tmp/site/xprof/cli/__init__.py
-echo "get_kernel_stats_tool = None  # stub: see notes/experiments/maxtext_h200.sh" > /tmp/site/xprof/cli/tools.py
+source notes/experiments/maxtext_wheels.sh
 MODEL="model_name=llama3-8b override_model_config=true base_emb_dim=2048 base_num_decoder_layers=16 \
 base_mlp_dim=8192 base_num_query_heads=32 base_num_kv_heads=8 head_dim=64 logits_via_embedding=true"
 SEQ=${1:-8192}
