@@ -27,7 +27,7 @@ SLOW = [
     r"test_real_activations_of_a_trained_model",
     r"test_kills_during_checkpoint|test_a_damaged_checkpoint|test_errors_print_one_line|test_a_full_disk|"
     r"test_a_second_trainer",
-    r"test_bench_(diffusion|attention|skipping|train)|test_multi_gpu_check|test_script_on_a_tiny_run",
+    r"test_bench_(diffusion|attention|skipping|skip_rule|train)|test_multi_gpu_check|test_script_on_a_tiny_run",
     r"test_matches_maxtext_dot_product_with_packed_segments|test_clis_and_dot_product_agree|test_maxtext_train_loop",
     r"test_export_loads_back|::test_logits_match_transformers_llama|test_console_lines_tensorboard|"
     r"test_generate_is_reproducible|test_plot_run|test_generate_command",

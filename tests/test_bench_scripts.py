@@ -95,3 +95,16 @@ def test_bench_skipping_rejects_a_fraction_of_one():
   result = subprocess.run([sys.executable, "scripts/bench_skipping.py", "--quick", "--fractions", "1.0"], cwd=ROOT,
                           env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True)
   assert result.returncode != 0 and "--fractions=[1.0] must each be in [0, 1)" in result.stderr
+
+
+def test_bench_skip_rule_quick(tmp_path):
+  """Marks from the rule itself, bisected on thr to the target fraction; the skipped call stays close to dense."""
+  out = tmp_path / "rule.json"
+  result = _run("scripts/bench_skip_rule.py", "--quick", "--out", str(out))
+  records = json.loads(out.read_text())
+  assert {r["impl"] for r in records} == {"clis", "skip@rule", "skip_track@rule"}
+  rule = next(r for r in records if r["impl"] == "skip@rule")
+  assert abs(rule["skipped"] - 0.42) < 0.05 and rule["thr"] < -1 and rule["rel_l1_vs_dense"] < 1e-3
+  for r in records:
+    assert REQUIRED <= set(r) and r["ms"] > 0 and r["ms_min"] <= r["ms"] <= r["ms_max"]
+  assert "marks 0.4" in result.stdout
