@@ -37,9 +37,14 @@ COL = plgpu.Layout.WGMMA.reduce(0)  # one value per column
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """Tunables of the Mosaic GPU backward: `slots` streamed blocks in flight (shared-memory buffers)."""
+  """Tunables of the Mosaic GPU backward: `slots` streamed blocks in flight (shared-memory buffers).
+  fused_dq: one kernel instead of two — the dK/dV kernel also forms dQ's part from each (query block, key
+  block) pair, dS·K (a fifth matmul, its dS through shared memory), and adds it into an f32 dQ in HBM with
+  TMA's reduce-add, so S and dP are computed once instead of twice. The adds' order varies between runs (f32
+  sums of the same terms, not bit-identical)."""
 
   slots: int = 2
+  fused_dq: bool = False
 
   def __post_init__(self):
     if self.slots < 2:
@@ -181,10 +186,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, s
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, sigma2, scale, slots, group,
-                has_segments):
-  qseg_ref = kseg_ref = None
+                has_segments, fused_dq: bool = False):
+  qseg_ref = kseg_ref = dq_ref = None
   if has_segments:
     (qseg_ref, kseg_ref), refs = refs[:2], refs[2:]
+  if fused_dq:  # an f32 [B, S, Hq, D] ref of zeros that every CTA adds its dQ parts into
+    (dq_ref,), refs = refs[:1], refs[1:]
   dk_ref, dv_ref = refs
   dtype, head_dim = k_ref.dtype, k_ref.shape[-1]
   num_q_blocks = q_ref.shape[1] // ROWS
@@ -203,9 +210,11 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
   per_head = jnp.asarray(num_q_blocks - cta_first, jnp.int32)  # q blocks the CTA streams per head of the group
 
   def body(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, k_ready, v_ready, q_ready, do_ready, lse_ready,
-           delta_ready, free, *seg_scratch):
+           delta_ready, free, *extra_scratch):
     wg = lax.axis_index("wg")
+    seg_scratch, dq_scratch = extra_scratch[:4 * has_segments], extra_scratch[4 * has_segments:]
     kseg_smem, qseg_smem, kseg_ready, qseg_ready = seg_scratch if has_segments else (None,) * 4
+    ds_smem, dq_smem = dq_scratch if fused_dq else (None, None)
 
     @pl.when(wg < COMPUTE_WARPGROUPS)
     def _compute():
@@ -250,14 +259,19 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
           return acc_ref[...]
 
         ds = p * (pl.run_scoped(dp_scope, plgpu.ACC((ROWS, ROWS), jnp.float32)) - delta)
+        if not fused_dq:
+          def update(refs):
+            dk_ref_, dv_ref_ = refs
+            plgpu.wgmma(dv_ref_, p.astype(dtype), do_smem.at[slot])
+            plgpu.wgmma(dk_ref_, ds.astype(dtype), q_smem.at[slot])
 
-        def update(refs):
-          dk_ref_, dv_ref_ = refs
-          plgpu.wgmma(dv_ref_, p.astype(dtype), do_smem.at[slot])
-          plgpu.wgmma(dk_ref_, ds.astype(dtype), q_smem.at[slot])
-
-        dk, dv = pl.run_state(update)((plgpu.ACC.init(dk), plgpu.ACC.init(dv)))
+          dk, dv = pl.run_state(update)((plgpu.ACC.init(dk), plgpu.ACC.init(dv)))
+          plgpu.barrier_arrive(free.at[slot])
+          return dk, dv
+        dk, dv, dq_part = _fused_update(dk, dv, p, ds.astype(dtype), do_smem.at[slot], q_smem.at[slot], k_smem.at[wg],
+                                        ds_smem.at[wg])
         plgpu.barrier_arrive(free.at[slot])
+        _add_dq(dq_part, dq_smem.at[wg], dq_ref.at[batch, pl.ds(j * ROWS, ROWS), kv_head * group + g])
         return dk, dv
 
       def release(j, _, g):  # a streamed block above these rows' diagonal
@@ -279,7 +293,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(k_smem.at[wg], dk_ref.at[batch, rows, kv_head])
       plgpu.copy_smem_to_gmem(v_smem.at[wg], dv_ref.at[batch, rows, kv_head])
-      plgpu.wait_smem_to_gmem(0)
+      plgpu.wait_smem_to_gmem(0)  # also the last dQ adds
 
     @pl.when(wg == COMPUTE_WARPGROUPS)
     def _memory():
@@ -297,10 +311,36 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
 
       stream_blocks(load, num_blocks=group * per_head, slots=slots, free=(free,))
 
-  pl.run_scoped(body, *_dkv_scratch(dtype, head_dim, slots, has_segments), collective_axes="wg")
+  pl.run_scoped(body, *_dkv_scratch(dtype, head_dim, slots, has_segments, fused_dq), collective_axes="wg")
 
 
-def _dkv_scratch(dtype, head_dim: int, slots: int, has_segments: bool) -> tuple:
+def _fused_update(dk, dv, p, ds_low, do_block, q_block, k_rows, ds_buf):
+  """One step's three matmuls after S and dP (rows = this warpgroup's 64 keys, columns = a block of queries):
+  dV += Pᵀ·dO and dK += dSᵀ·Q from registers, and dQ's part dS·K [queries, D] with dSᵀ stored to shared memory
+  and read transposed (wgmma's A from registers cannot be transposed). Returns (dk, dv, dq_part)."""
+  ds_buf[...] = ds_low  # the previous step's dS·K has completed: run_state waits for its wgmmas
+  plgpu.commit_smem()
+
+  def update(refs):
+    dk_ref_, dv_ref_, dq_ref_ = refs
+    plgpu.wgmma(dv_ref_, p.astype(ds_low.dtype), do_block)
+    plgpu.wgmma(dk_ref_, ds_low, q_block)
+    plgpu.wgmma(dq_ref_, ds_buf.T, k_rows)
+
+  zeros = plgpu.layout_cast(jnp.zeros(dk.shape, jnp.float32), plgpu.Layout.WGMMA)
+  return pl.run_state(update)((plgpu.ACC.init(dk), plgpu.ACC.init(dv), plgpu.ACC.init(zeros)))
+
+
+def _add_dq(dq_part, buf, dq_rows):
+  """Adds dq_part [64, D] f32 into dq_rows (HBM) with TMA's reduce-add, through `buf` once the previous
+  add has read it."""
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  buf[...] = dq_part
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(buf, dq_rows, reduction_op="add")
+
+
+def _dkv_scratch(dtype, head_dim: int, slots: int, has_segments: bool, fused_dq: bool = False) -> tuple:
   """The dK/dV kernel's shared memory and barriers, in the order its body takes them."""
   per_wg = lambda: plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS)
   per_slot = lambda: plgpu.Barrier(num_barriers=slots)
@@ -317,6 +357,9 @@ def _dkv_scratch(dtype, head_dim: int, slots: int, has_segments: bool) -> tuple:
       *(() if not has_segments else (
           plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS), jnp.int32), plgpu.SMEM((slots, ROWS), jnp.int32),
           per_wg(), per_slot())),
+      *(() if not fused_dq else (
+          plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS, ROWS), dtype, transforms=swizzled()),  # dSᵀ, read transposed
+          plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS, head_dim), jnp.float32))),  # dQ's part, on its way to HBM
   )
 
 
@@ -344,6 +387,13 @@ def backward(q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_s
   q_tiles, kv_tiles = seq // (COMPUTE_WARPGROUPS * ROWS), kv_seq // (COMPUTE_WARPGROUPS * ROWS)
   launch = dict(num_threads=COMPUTE_WARPGROUPS + 1, thread_name="wg",
                 compiler_params=plgpu.CompilerParams(approx_math=True))
+  if block_sizes.fused_dq:
+    dq_acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
+    dk, dv = plgpu.kernel(functools.partial(_dkv_kernel, fused_dq=True, **common),
+                          out_type=(out_struct(k.shape, k.dtype, k), out_struct(v.shape, v.dtype, v)),
+                          grid=(num_kv_heads, kv_tiles, batch), grid_names=("heads", "kv_tiles", "batch"),
+                          **launch)(*args, dq_acc)
+    return (dq_acc[...] * scale).astype(q.dtype), dk, dv
   dq = plgpu.kernel(functools.partial(_dq_kernel, kv_len=kv_len, **common), out_type=out_struct(q.shape, q.dtype, q),
                     grid=(num_heads, q_tiles, batch), grid_names=("heads", "q_tiles", "batch"), **launch)(*args)
   dk, dv = plgpu.kernel(functools.partial(_dkv_kernel, **common),

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from clis_kernels import api, attention, masks, stabilizer, testing
+from clis_kernels import api, attention, masks, pallas_mgpu_vjp, stabilizer, testing
 from clis_kernels import plan as plan_lib
 from clis_bench import benchmarking
 
@@ -120,6 +120,11 @@ def _certified_fraction(q, k, v, seg, causal, name, quick):
   return float(stats.certified_fraction)
 
 
+def _fused_backward(q, k, v, seg, causal, stabilizer):
+  return attention(q, k, v, seg, causal=causal, stabilizer=stabilizer,
+                   backward_block_sizes=pallas_mgpu_vjp.BlockSizes(fused_dq=True))
+
+
 def implementations(names, platform, quick):
   """{name: f(q, k, v, seg, causal)} for the names this platform can run, and notes on the rest."""
   ours = dict(implementation="pallas_gpu", interpret=True) if quick else {}
@@ -148,6 +153,8 @@ def implementations(names, platform, quick):
     table["clis_mgpu_prepass"] = functools.partial(_prepass, quick=False, implementation="pallas_mgpu")
     table["clis_mgpu_triton_bwd"] = lambda q, k, v, seg, causal: attention(  # the forward with the Triton backward
         q, k, v, seg, causal=causal, stabilizer="clis", implementation="pallas_mgpu_triton_bwd")
+    for stab in ("clis", "online"):  # the API's default forward with the one-kernel Mosaic GPU backward
+      table[f"{stab}_fused_bwd"] = functools.partial(_fused_backward, stabilizer=stab)
   fns, notes = {}, []
   for name in names:
     if name == "cudnn" and platform != "gpu":
@@ -209,7 +216,7 @@ def main():
   parser.add_argument("--causal", choices=["no", "yes", "both"], default="yes", help="llm suite: causal, bidirectional")
   parser.add_argument("--inputs", nargs="+", default=["gaussian"], choices=["gaussian", *testing.FAMILIES],
                       help="llm suite: Gaussian, or clis_kernels.testing's pretrained-like families")
-  parser.add_argument("--passes", nargs="+", default=["fwd", "fwd_bwd"], choices=["fwd", "fwd_bwd"])
+  parser.add_argument("--passes", nargs="+", default=["fwd", "fwd_bwd"], choices=["fwd", "bwd", "fwd_bwd"])
   parser.add_argument("--impls", nargs="+",
                       default=["clis", "clis_prepass", "clis_kernel", "online", "clis_blocks", "clis_blocks_prepass",
                                "clis_mgpu", "clis_mgpu_prepass", "online_mgpu", "cudnn", "xla", "tokamax_mosaic",
@@ -252,6 +259,10 @@ def main():
         def fwd_bwd(q, k, v, do, seg, f=f, causal=c["causal"]):
           return jax.vjp(lambda a, b, c_: f(a, b, c_, seg, causal), q, k, v)[1](do)
         variants[(name, "fwd_bwd")] = functools.partial(jax.jit(fwd_bwd), q, k, v, do, seg)
+      if "bwd" in args.passes:  # the backward alone: the forward's residuals made once, outside the timing
+        vjp_fn = jax.jit(lambda q, k, v, seg, f=f, causal=c["causal"]: jax.vjp(
+            lambda a, b, c_: f(a, b, c_, seg, causal), q, k, v)[1])(q, k, v, seg)
+        variants[(name, "bwd")] = functools.partial(jax.jit(lambda fn, do: fn(do)), vjp_fn, do)
     for key in list(variants):  # an implementation that fails on this case is reported and left out
       try:
         jax.block_until_ready(variants[key]())
@@ -265,7 +276,7 @@ def main():
     flops = 4 * c["b"] * c["hq"] * c["s"] ** 2 * c["d"] * (0.5 if c["causal"] else 1.0)
     for key, (med, lo, hi) in timings.items():
       name, pass_ = key.split("|")
-      work = flops * (3.5 if pass_ == "fwd_bwd" else 1.0)
+      work = flops * {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}[pass_]
       records.append(dict(case=c["case"], impl=name, **{"pass": pass_}, ms=med, ms_min=lo, ms_max=hi,
                           tflops=None if name.endswith("prepass") else work / med / 1e9, B=c["b"], S=c["s"], Hq=c["hq"], Hkv=c["hkv"], D=c["d"],
                           causal=c["causal"], packed=c["packed"], inputs=c["inputs"],

@@ -22,7 +22,26 @@ def needs_gpu(test):
   """Marks a test `gpu` and skips it without one."""
   return pytest.mark.gpu(pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernels run on an NVIDIA Hopper GPU only")(
       test))
-BACKWARDS = {"mosaic": "pallas_mgpu", "triton": "pallas_mgpu_triton_bwd"}  # the forward with each backward
+BACKWARDS = {"mosaic": ("pallas_mgpu", None), "triton": ("pallas_mgpu_triton_bwd", None),  # the forward with
+             "fused": ("pallas_mgpu", pallas_mgpu_vjp.BlockSizes(fused_dq=True))}  # each backward
+
+
+@pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
+@pytest.mark.parametrize("causal,seq,d,packed", [(True, 256, 128, False), (False, 200, 64, False),
+                                                 (True, 256, 64, True), (False, 256, 128, True)])
+def test_fused_backward_lowers_as_one_kernel(causal, seq, d, packed):
+  """BlockSizes(fused_dq=True): the backward is one Mosaic GPU kernel (dK, dV and dQ's parts added into an f32
+  ref by TMA), GQA, odd lengths, packed; the forward is the other custom call."""
+  q = jax.ShapeDtypeStruct((1, seq, 8, d), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, seq, 2, d), jnp.bfloat16)
+  seg = jax.ShapeDtypeStruct((1, seq), jnp.int32) if packed else None
+
+  def loss(q, k, v, seg):
+    return attention(q, k, v, seg, causal=causal, implementation="pallas_mgpu", platform=HOPPER,
+                     backward_block_sizes=pallas_mgpu_vjp.BlockSizes(fused_dq=True)).astype(jnp.float32).sum()
+
+  text = lower_for_h200(jax.grad(loss, argnums=(0, 1, 2)), q, k, k, seg)
+  assert text.count("custom_call @mosaic_gpu") == 2
 
 
 @pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
@@ -186,20 +205,23 @@ class TestPallasMgpu(AttentionTests):
 @needs_gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
 def test_mosaic_backward_matches_float64_on_gpu(case):
-  """The Mosaic GPU backward: gradients against float64, as accurate as the Triton backward's."""
+  """The Mosaic GPU backwards (two kernels, and fused): gradients against float64, as accurate as the Triton
+  backward's."""
   name, batch, seq, hq, hkv, d, causal, packed = case
   q, k, v, do = random_inputs(len(name), batch, seq, hq, hkv, d, jnp.bfloat16)
   seg = packed_segments(len(name), batch, seq) if packed else None
   want = ref.attention(q, k, v, do, seg, causal=causal)[1:]
   errors = {}
-  for label, implementation in BACKWARDS.items():
-    f = lambda q, k, v: attention(q, k, v, seg, causal=causal, implementation=implementation)
+  for label, (implementation, backward_tiles) in BACKWARDS.items():
+    f = lambda q, k, v: attention(q, k, v, seg, causal=causal, implementation=implementation,
+                                  backward_block_sizes=backward_tiles)
     grads = jax.vjp(f, q, k, v)[1](do)
     assert all(bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in grads), label
     errors[label] = [ref.rel_err(g, w) for g, w in zip(grads, want)]
-  assert max(errors["mosaic"]) < TOLERANCE[jnp.bfloat16][1], errors
-  for mosaic, triton in zip(errors["mosaic"], errors["triton"]):
-    assert mosaic <= CLIS_VS_ONLINE * triton, errors
+  for label in ("mosaic", "fused"):
+    assert max(errors[label]) < TOLERANCE[jnp.bfloat16][1], (label, errors)
+    for mosaic, triton in zip(errors[label], errors["triton"]):
+      assert mosaic <= CLIS_VS_ONLINE * triton, (label, errors)
 
 
 @needs_gpu
