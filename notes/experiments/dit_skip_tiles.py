@@ -1,6 +1,7 @@
 """Does the skip tile's size explain the example DiT's quality with skipping? The trained example DiT sampled on
 the CPU with the reference skip forward at 64 x 64 and 128 x 128 tiles (the Triton kernel's and the Mosaic GPU
-kernel's), each thr schedule, PSNR/SSIM against the dense XLA sample from the same noise (bench_diffusion's).
+kernel's), each thr schedule, PSNR/SSIM against the dense XLA sample from the same noise (bench_diffusion's),
+and the dense kernels' own PSNR against it (the floor that kernel rounding alone sets).
 
   python notes/experiments/dit_skip_tiles.py --out notes/experiments/dit_skip_tiles.json
 """
@@ -18,7 +19,10 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
-from clis_kernels import plan as plan_lib, reference  # noqa: E402
+from clis_kernels import masks, plan as plan_lib, reference  # noqa: E402
+from clis_kernels.diffusion import tile_lists  # noqa: E402
+from clis_kernels.plan import Mode, stabilizer_inputs  # noqa: E402
+from clis_kernels.stabilizer import NEG  # noqa: E402
 from examples.video_dit import sampler, train  # noqa: E402
 from scripts.bench_diffusion import quality  # noqa: E402
 
@@ -29,20 +33,48 @@ def with_tiles(cfg, tile):
                             implementation="reference", block_sizes=reference.BlockSizes(block_q=tile, block_k=tile))
 
 
+def exact_reference_forward(q, k, v, skip, stab, *, mode, scale, kv_len, seq_len, block_sizes, track, interpret=False):
+  """tile_lists.reference_forward with the Mosaic GPU skip kernel's statistic: per tile the max over rows of
+  (row max − m_i − log2 l_i), i.e. max (t_ij − lse_i) for a fixed stabilizer, instead of the max and the min
+  over rows taken apart."""
+  del track, interpret
+  _, cert = stabilizer_inputs(stab, mode)
+  bq = block_sizes.block_q
+  out, _, (gap_rows, log2_l_rows) = reference.forward_with_tiles(
+      q, k, v, None, cert, causal=False, scale=scale, kv_len=kv_len, block_sizes=block_sizes, tile_skip=skip,
+      tile_gap=True)
+  real = masks.query_is_real(None, q.shape[1], seq_len)[0][None, None, :, None]
+  excess = jnp.where(real, gap_rows - log2_l_rows[..., None], NEG)
+  gap = excess.reshape(excess.shape[0], excess.shape[1], q.shape[1] // bq, bq, -1).max(axis=3)
+  return out, gap, jnp.zeros(gap.shape[:3], jnp.float32)
+
+
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--weights", default="examples/video_dit/weights.safetensors")
-  p.add_argument("--tiles", type=int, nargs="+", default=[64, 128])
+  p.add_argument("--tiles", type=int, nargs="*", default=[64, 128])
   p.add_argument("--schedules", nargs="+", default=["-10:-4", "-14:-8"])
   p.add_argument("--batch", type=int, default=4)
+  p.add_argument("--dense", nargs="*", default=["clis"], help="dense backends to sample as the quality floor")
+  p.add_argument("--statistic", choices=["bound", "exact"], default="bound",
+                 help="the reference's marking statistic (bound: gap − log2_l; exact: as the Mosaic GPU kernel)")
   p.add_argument("--out", required=True)
   args = p.parse_args()
   params, cfg = train.load(args.weights)
+  if args.statistic == "exact":
+    tile_lists.reference_forward = exact_reference_forward  # plan.py loads the skip forward by name
   noise = jax.random.normal(jax.random.PRNGKey(123), (args.batch, cfg.frames, cfg.size, cfg.size, 3))
   condition = jnp.stack([jnp.arange(args.batch) % 2, 2 + jnp.arange(args.batch) % 4,
                          6 + (jnp.arange(args.batch) // 2) % 4], -1).astype(jnp.int32)
   dense = sampler.sample(params, cfg, noise, condition, attention="xla")[0]
   records = []
+  dense_samples = {}
+  for name in args.dense:  # the floor: dense kernels against dense XLA, the same bf16 model and noise
+    dense_samples[name] = sampler.sample(params, cfg, noise, condition, attention=name)[0]
+    psnr, ssim = quality(dense_samples[name], dense)
+    records.append(dict(tile=None, schedule=f"dense {name}", psnr_db=psnr, ssim=ssim, mean_sparsity=0.0))
+    print(records[-1], flush=True)
+    pathlib.Path(args.out).write_text(json.dumps(dict(records=records, batch=args.batch, device="cpu"), indent=1))
   for tile in args.tiles:
     sampler.skip_plan = functools.lru_cache(maxsize=None)(functools.partial(with_tiles, tile=tile))
     sampler._step_fn.cache_clear()
@@ -52,7 +84,8 @@ def main():
       video, per_step, _ = sampler.sample(params, cfg, noise, condition, attention="clis_skip", thr_early=early,
                                           thr_late=late)
       psnr, ssim = quality(video, dense)
-      records.append(dict(tile=tile, schedule=sched, psnr_db=psnr, ssim=ssim,
+      records.append(dict(tile=tile, schedule=sched, statistic=args.statistic, psnr_db=psnr, ssim=ssim,
+                          psnr_vs_dense_db={n: quality(video, d)[0] for n, d in dense_samples.items()},
                           mean_sparsity=float(np.mean([s["sparsity"] for s in per_step])),
                           last_sparsity=per_step[-1]["sparsity"], seconds=time.perf_counter() - t0))
       print(records[-1], flush=True)
