@@ -302,3 +302,21 @@ def _f64_excess(q, k, rows, keys):
   pad = np.full(excess.shape[:2] + (nq * rows, nk * keys), -np.inf)
   pad[:, :, :q.shape[1], :k.shape[1]] = excess
   return pad.reshape(*excess.shape[:2], nq, rows, nk, keys).max(axis=(3, 5))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernels run on an NVIDIA Hopper GPU only")
+def test_calibration_works_with_the_mosaic_gpu_skip_kernel_on_gpu():
+  """LiteAttention's per-call calibration through the Hopper default (no implementation named): the loosest thr
+  within a 1% relative L1 error marks tiles, and the marked call's measured error is what calibration said."""
+  q, k, v = (x.astype(jnp.bfloat16) for x in local_inputs(9, seq=2048, heads=4, d=128, sharpness=4.0))
+  bs = plan.make_plan(dtype=q.dtype, head_dim=128, seq_len=2048, skipping=True, causal=False).block_sizes
+  assert bs.skip_tiles == (128, 128)
+  state = diffusion.init_state(1, 4, 2048, bs)
+  thr, err = diffusion.calibrate_thr(q, k, v, state, target=0.01, iters=6)
+  assert math.isfinite(thr) and err <= 0.01
+  _, marked, _ = diffusion.attention(q, k, v, state, thr=thr)
+  assert bool(marked.skip.any())
+  dense = diffusion.attention(q, k, v, state, thr=-math.inf)[0].astype(jnp.float32)
+  out = diffusion.attention(q, k, v, marked, thr=-math.inf)[0].astype(jnp.float32)
+  assert float(jnp.mean(jnp.abs(out - dense)) / jnp.mean(jnp.abs(dense))) == pytest.approx(err, rel=1e-3)
