@@ -177,6 +177,8 @@ def main():
                         attention_ms=float(np.sum(att)), mean_sparsity=float(np.mean([s["sparsity"] for s in per_step])),
                         **meta))
     records[-1]["psnr_db"], records[-1]["ssim"] = quality(video, next(iter(videos.values())))
+    if impl.endswith("_skip") and impl.removesuffix("_skip") in videos:  # what skipping alone moved
+      records[-1]["psnr_vs_dense_same_kernel_db"] = quality(video, videos[impl.removesuffix("_skip")])[0]
     out.write_text(json.dumps(records, indent=1))  # after every variant: a run cut short keeps what it measured
     print(f"{label}: median step {records[-1]['step_ms']:.2f} ms, attention {records[-1]['attention_ms']:.2f} ms "
           f"over {args.steps} steps, mean sparsity {records[-1]['mean_sparsity']:.3f}, "
