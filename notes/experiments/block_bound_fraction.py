@@ -69,7 +69,7 @@ def real_sample(key_blocks):
   from safetensors.numpy import load_file
   tensors = load_file(str(pathlib.Path(__file__).parents[2] / "tests" / "data" / "real_small_qkv.safetensors"))
   records = []
-  for layer in sorted({int(name.split(".")[0].split("_")[1]) for name in tensors}):
+  for layer in sorted({int(name.split(".")[0].removeprefix("layer_")) for name in tensors if name.startswith("layer_")}):
     q, k, v = (jax.numpy.asarray(tensors[f"layer_{layer}.{x}"], jax.numpy.bfloat16) for x in "qkv")
     kw = dict(causal=True, scale=q.shape[-1] ** -0.5, tau=64.0, granularity="tile", block_q=64, seq_len=q.shape[1])
     record = dict(case=f"real_layer{layer}_S{q.shape[1]}", family="real",
