@@ -22,7 +22,9 @@ The kernel in named parts: `_Config` (static), `_Refs`, `_Scratch` / `_KeysScrat
 (shared memory and barriers), `_Rows` (one compute warpgroup's runtime values); `_kernel` →
 `_compute_warpgroup` (prologue) → `_certify_here` (`_bound_rows`, `_decide`) or `_read_certificate`
 → `_attend` (`_step` / `_overlapped_step` per KV block, `_drain`) → `_epilogue`; the memory
-warpgroup runs mgpu_pipeline.stream_kv.
+warpgroup runs mgpu_pipeline.stream_kv. `forward_listed` (temporal skipping, kernels/diffusion) runs the same
+kernel over a kept-tile list per CTA (`_ListScratch`, `_listed_range`, `_list_entry`) and can write each
+visited block's row maxima (`_record_row_max`).
 """
 
 from __future__ import annotations
