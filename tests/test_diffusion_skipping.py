@@ -320,3 +320,20 @@ def test_calibration_works_with_the_mosaic_gpu_skip_kernel_on_gpu():
   dense = diffusion.attention(q, k, v, state, thr=-math.inf)[0].astype(jnp.float32)
   out = diffusion.attention(q, k, v, marked, thr=-math.inf)[0].astype(jnp.float32)
   assert float(jnp.mean(jnp.abs(out - dense)) / jnp.mean(jnp.abs(dense))) == pytest.approx(err, rel=1e-3)
+
+
+def test_head_dims_the_kernels_do_not_run_are_padded():
+  """D 80 (Wan's 5120 / 64 heads is 80): zero columns up to the plan's head dim, cut off again; the output
+  equals the unpadded reference's and the Mosaic GPU skip kernel lowers for it."""
+  q, k, v = local_inputs(10, seq=90, d=80)
+  state = diffusion.init_state(1, 2, 90, BS)
+  out = diffusion.attention(q, k, v, state, thr=-math.inf, block_sizes=BS)[0]
+  assert out.shape == q.shape
+  want = ref.attention(q, k, v, jnp.zeros_like(q), causal=False)[0]
+  assert ref.rel_err(out, want) < 1e-5
+  spec = jax.ShapeDtypeStruct((1, 256, 2, 80), jnp.bfloat16)
+  bs = plan.make_plan(dtype=jnp.bfloat16, head_dim=80, seq_len=256, skipping=True, causal=False,
+                      platform=HOPPER).block_sizes
+  fn = lambda q, k, v, s: diffusion.attention(q, k, v, s, thr=-10.0, platform=HOPPER)[0]
+  if not ON_GPU:
+    assert lower_for_h200(fn, spec, spec, spec, diffusion.init_state(1, 2, 256, bs)).count("custom_call @mosaic_gpu") == 1

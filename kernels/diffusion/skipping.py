@@ -113,7 +113,7 @@ def attention(q, k, v, state: SkipState, *, thr, scale: float | None = None, blo
   scale = float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1])
   bq, bk = tiles(bs)
   seq_len, kv_seq_len = q.shape[1], k.shape[1]
-  qp, kp, vp = (api.pad_seq(x, plan.multiple) for x in (q, k, v))
+  qp, kp, vp = (api.pad_seq(api.pad_axis(x, 3, to=plan.head_dim), plan.multiple) for x in (q, k, v))  # as api
   kv_len = kv_seq_len if kp.shape[1] != kv_seq_len else None
   nq, nk = qp.shape[1] // bq, kp.shape[1] // bk
   if state.skip.shape != (q.shape[0], q.shape[2], nq, nk):
@@ -133,7 +133,7 @@ def attention(q, k, v, state: SkipState, *, thr, scale: float | None = None, blo
     new_marks = _within_budget((bound < thr) & ~state.skip, bound, state.skip, thr)
   stats = SkipStats(sparsity=state.skip.mean(), new_marks=new_marks,
                     max_skipped_weight=jnp.exp2(jnp.asarray(thr, jnp.float32)))
-  return out[:, :seq_len], SkipState(state.skip | new_marks, state.calls + 1), stats
+  return out[:, :seq_len, :, :q.shape[-1]], SkipState(state.skip | new_marks, state.calls + 1), stats
 
 
 def calibrate_thr(q, k, v, state: SkipState, *, target: float = 0.01, lo: float = -40.0, hi: float = -1.0,
