@@ -41,7 +41,8 @@ class BlockSizes:
   fused_dq: one kernel instead of two — the dK/dV kernel also forms dQ's part from each (query block, key
   block) pair, dS·K (a fifth matmul, its dS through shared memory), and adds it into an f32 dQ in HBM with
   TMA's reduce-add, so S and dP are computed once instead of twice. The adds' order varies between runs (f32
-  sums of the same terms, not bit-identical)."""
+  sums of the same terms, not bit-identical); fused_dq=False, the two kernels, is the deterministic choice
+  (each dQ row summed by one warpgroup in a fixed order), at the cost of recomputing S and dP."""
 
   slots: int = 2
   fused_dq: bool = False
