@@ -186,6 +186,15 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, s
   )
 
 
+def _q_blocks(kv0, rows, *, causal: bool, num_q_blocks: int):
+  """(first, first_full) for key rows [kv0, kv0 + rows): q blocks [first, first_full) straddle the diagonal;
+  all blocks when bidirectional (padded keys need no mask here: their dK, dV rows are cut off by the caller)."""
+  if causal:
+    return masks.causal_q_blocks(lax.div(kv0, jnp.int32(rows)), block_q=ROWS, block_k=rows,
+                                 num_q_blocks=num_q_blocks, div=masks.idiv)
+  return 0, 0
+
+
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, sigma2, scale, slots, group,
                 has_segments, fused_dq: bool = False):
   qseg_ref = kseg_ref = dq_ref = None
@@ -199,14 +208,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
   batch, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
   cta_kv0 = lax.axis_index("kv_tiles") * (COMPUTE_WARPGROUPS * ROWS)  # low tiles see the most: they start first
 
-  def q_range(kv0, rows):
-    """(first, first_full): q blocks [first, first_full) straddle the diagonal; all blocks when
-    bidirectional (padded keys need no mask here: their dK, dV rows are cut off by the caller)."""
-    if causal:
-      return masks.causal_q_blocks(lax.div(kv0, jnp.int32(rows)), block_q=ROWS, block_k=rows,
-                                   num_q_blocks=num_q_blocks, div=masks.idiv)
-    return 0, 0
-
+  q_range = functools.partial(_q_blocks, causal=causal, num_q_blocks=num_q_blocks)
   cta_first, _ = q_range(cta_kv0, COMPUTE_WARPGROUPS * ROWS)
   per_head = jnp.asarray(num_q_blocks - cta_first, jnp.int32)  # q blocks the CTA streams per head of the group
 
@@ -300,19 +302,28 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
     def _memory():
       plgpu.set_max_registers(40, action="decrease")
 
-      def load(i, slot):  # block i of the stream: head i // per_head of the group, its q rows
-        head = kv_head * group + lax.div(i, per_head)
-        rows = pl.ds((cta_first + lax.rem(i, per_head)) * ROWS, ROWS)
-        for ref, smem, ready, at in ((q_ref, q_smem, q_ready, (batch, rows, head)),
-                                     (do_ref, do_smem, do_ready, (batch, rows, head)),
-                                     (lse_ref, lse_smem, lse_ready, (batch, head, rows)),
-                                     (delta_ref, delta_smem, delta_ready, (batch, head, rows)),
-                                     *(((qseg_ref, qseg_smem, qseg_ready, (batch, rows)),) if has_segments else ())):
-          plgpu.copy_gmem_to_smem(ref.at[at], smem.at[slot], ready.at[slot])
-
-      stream_blocks(load, num_blocks=group * per_head, slots=slots, free=(free,))
+      by_rows, by_head = (lambda h, r: (batch, r, h)), (lambda h, r: (batch, h, r))
+      streams = [(q_ref, q_smem, q_ready, by_rows), (do_ref, do_smem, do_ready, by_rows),
+                 (lse_ref, lse_smem, lse_ready, by_head), (delta_ref, delta_smem, delta_ready, by_head)]
+      if has_segments:
+        streams.append((qseg_ref, qseg_smem, qseg_ready, lambda h, r: (batch, r)))
+      _stream_query_blocks(streams, kv_head=kv_head, group=group, per_head=per_head, cta_first=cta_first,
+                           slots=slots, free=free)
 
   pl.run_scoped(body, *_dkv_scratch(dtype, head_dim, slots, has_segments, fused_dq), collective_axes="wg")
+
+
+def _stream_query_blocks(streams, *, kv_head, group: int, per_head, cta_first, slots: int, free):
+  """The dK/dV kernel's memory warpgroup: block i of the stream is head i // per_head of the kv head's group,
+  query rows from block cta_first + i % per_head; each (gmem ref, smem, ready barrier, index of (head, rows))
+  in `streams` is loaded for it."""
+  def load(i, slot):
+    head = kv_head * group + lax.div(i, per_head)
+    rows = pl.ds((cta_first + lax.rem(i, per_head)) * ROWS, ROWS)
+    for ref, smem, ready, at in streams:
+      plgpu.copy_gmem_to_smem(ref.at[at(head, rows)], smem.at[slot], ready.at[slot])
+
+  stream_blocks(load, num_blocks=group * per_head, slots=slots, free=(free,))
 
 
 def _fused_update(dk, dv, p, ds_low, do_block, q_block, k_rows, ds_buf):
