@@ -192,8 +192,9 @@ def cases(args):
       for s in args.seq_lens:
         for causal in both[args.causal]:
           for packed in both[args.packed]:
-            name = f"llm_{'causal' if causal else 'bidir'}{'_packed' if packed else ''}_S{s}"
-            hq, hkv, d = testing.LLM_HEADS
+            hq, hkv, d = args.llm_heads
+            heads = "" if (hq, hkv, d) == tuple(testing.LLM_HEADS) else f"_H{hq}-{hkv}_D{d}"
+            name = f"llm_{'causal' if causal else 'bidir'}{'_packed' if packed else ''}{heads}_S{s}"
             out.append(dict(case=name if family == "gaussian" else f"{name}_{family}", b=batch(s), s=s, hq=hq, hkv=hkv,
                             d=d, causal=causal, packed=packed, inputs=family))
   if args.suite in ("dit", "all"):
@@ -209,6 +210,8 @@ def main():
   parser.add_argument("--suite", choices=["llm", "dit", "all"], default="llm")
   parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
   parser.add_argument("--packed", choices=["no", "yes", "both"], default="both")
+  parser.add_argument("--llm-heads", type=int, nargs=3, default=list(testing.LLM_HEADS), metavar=("HQ", "HKV", "D"),
+                      help="llm suite: query heads, kv heads, head dim")
   parser.add_argument("--dit-heads", type=int, nargs="+", default=[12, 40])
   parser.add_argument("--dit-seq-lens", type=int, nargs="+", default=[16384, 32768, 75600])
   parser.add_argument("--batch", type=int, default=1)
