@@ -1,8 +1,9 @@
 # The next device session's plan in two calls (issues 17, 18), each well inside a 600 s call.
-# Both: carry [".whl", ".whl-maxtext"]; `source notes/experiments/device_env.sh && bash notes/experiments/session12_h200.sh A`
+# Both: carry [".whl", ".whl-maxtext"]; from the repository root: `bash notes/experiments/session12_h200.sh A` (then B)
 #   A: GPU tests of the fused backward and the skip kernel's calibration; backward alone and forward+backward
 #      against cuDNN and tokamax at causal 8k/16k/32k (GQA 32/8, D 128) and 8k at D 64 (H 16/16).
 #   B: the 1B trainer with clis / tokamax / cuDNN; the Wan-shaped call marked by the rule; the example DiT.
+source notes/experiments/device_env.sh
 source notes/experiments/maxtext_wheels.sh
 GPU_TEST="env JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_MEM_FRACTION=0.15 python3 -m pytest -q -n 6 -m gpu -p no:cacheprovider -rf"
 case "$1" in
