@@ -8,7 +8,7 @@ source notes/experiments/maxtext_wheels.sh
 GPU_TEST="env JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_MEM_FRACTION=0.15 python3 -m pytest -q -n 6 -m gpu -p no:cacheprovider -rf"
 case "$1" in
   A)
-    TAIL=20 step tests 200 $GPU_TEST tests/test_pallas_mgpu.py -k "backward_matches" tests/test_diffusion_skipping.py
+    TAIL=20 step tests 200 $GPU_TEST tests/test_pallas_mgpu.py tests/test_diffusion_skipping.py -k "backward_matches or calibration_works"
     TAIL=40 step bwd 240 python3 scripts/bench_attention.py --suite llm --seq-lens 8192 16384 32768 --tokens 32768 \
         --packed no --passes bwd fwd_bwd --impls clis clis_fused_bwd cudnn tokamax_mosaic --repeats 7 --inner 3 \
         --out "$OUT/bwd.json"
