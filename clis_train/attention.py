@@ -4,8 +4,8 @@ clis / online → clis_kernels.attention (the platform's kernel: Mosaic GPU on H
 Triton on other NVIDIA GPUs, Mosaic TPU on TPUs, the reference on CPU);
 clis_mgpu / online_mgpu → the Mosaic GPU kernels by name (Hopper only; an error elsewhere);
 dot_product → dense XLA under the same segment convention; cudnn → jax.nn's cuDNN
-kernel (NVIDIA only); tokamax → tokamax's Mosaic GPU flash attention (its XLA op off GPUs). On a mesh of more than one device the kernel runs under
-`jax.shard_map`, batch over (data, fsdp) and heads over tensor: Pallas kernels are
+kernel (NVIDIA only); tokamax → tokamax's Mosaic GPU flash attention (its XLA op off GPUs).
+On a mesh of more than one device the kernel runs under `jax.shard_map`, batch over (data, fsdp) and heads over tensor: Pallas kernels are
 not partitioned by XLA, and every call then sees whole sequences.
 """
 

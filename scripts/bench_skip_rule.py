@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from clis_kernels import attention, diffusion  # noqa: E402
+from clis_kernels import attention, diffusion, plan  # noqa: E402
 from clis_bench import benchmarking  # noqa: E402
 
 
@@ -67,7 +67,6 @@ def rule_marks(q, k, v, *, target: float, implementation, interpret: bool, iters
 
 
 def _block_sizes(q, implementation, interpret):
-  from clis_kernels import plan
   return plan.make_plan(dtype=q.dtype, head_dim=q.shape[-1], seq_len=q.shape[1], causal=False, skipping=True,
                         implementation=implementation, interpret=interpret).block_sizes
 
