@@ -375,9 +375,15 @@ def _dkv_scratch(dtype, head_dim: int, slots: int, has_segments: bool, fused_dq:
   )
 
 
+FUSED_MAX_HEAD_DIM = 64
+
+
 def default_block_sizes(head_dim: int, seq_len: int, dtype) -> BlockSizes:
-  del head_dim, seq_len, dtype
-  return BlockSizes()
+  """The fused backward up to head dim 64, where it is faster (H200, causal 8k, D 64: 1.02 ms against 1.16 for
+  the two kernels); at D 128 its 209 KB of shared memory leave one pipeline too few and it is 1.5x slower
+  (BENCHMARKS.md, "Session 12"). Pass BlockSizes(fused_dq=False) for bit-identical gradients run to run."""
+  del seq_len, dtype
+  return BlockSizes(fused_dq=head_dim <= FUSED_MAX_HEAD_DIM)
 
 
 def backward(q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_sizes: BlockSizes, window=None,

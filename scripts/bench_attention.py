@@ -120,9 +120,10 @@ def _certified_fraction(q, k, v, seg, causal, name, quick):
   return float(stats.certified_fraction)
 
 
-def _fused_backward(q, k, v, seg, causal, stabilizer):
+def _backward_choice(q, k, v, seg, causal, stabilizer, fused):
+  """The Mosaic GPU backward forced to one kernel (fused) or two, whatever the head dim's default."""
   return attention(q, k, v, seg, causal=causal, stabilizer=stabilizer,
-                   backward_block_sizes=pallas_mgpu_vjp.BlockSizes(fused_dq=True))
+                   backward_block_sizes=pallas_mgpu_vjp.BlockSizes(fused_dq=fused))
 
 
 def implementations(names, platform, quick):
@@ -154,7 +155,8 @@ def implementations(names, platform, quick):
     table["clis_mgpu_triton_bwd"] = lambda q, k, v, seg, causal: attention(  # the forward with the Triton backward
         q, k, v, seg, causal=causal, stabilizer="clis", implementation="pallas_mgpu_triton_bwd")
     for stab in ("clis", "online"):  # the API's default forward with the one-kernel Mosaic GPU backward
-      table[f"{stab}_fused_bwd"] = functools.partial(_fused_backward, stabilizer=stab)
+      table[f"{stab}_fused_bwd"] = functools.partial(_backward_choice, stabilizer=stab, fused=True)
+      table[f"{stab}_two_kernel_bwd"] = functools.partial(_backward_choice, stabilizer=stab, fused=False)
   fns, notes = {}, []
   for name in names:
     if name == "cudnn" and platform != "gpu":

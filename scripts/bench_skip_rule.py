@@ -95,16 +95,17 @@ def main():
   q, k, v = video_inputs(jax.random.PRNGKey(0), args.grid, args.heads, args.head_dim, length=args.length,
                          sharpness=args.sharpness, dtype=jnp.float32 if args.quick else jnp.bfloat16)
   state, thr, frac = rule_marks(q, k, v, target=args.target, implementation=args.implementation, interpret=interpret)
-  skip_call = lambda s, thr: diffusion.attention(q, k, v, s, thr=thr, implementation=args.implementation,
-                                                 interpret=interpret)[0]
+  # q, k, v are arguments, never closed over: captured, they become gigabytes of constants in every compile
+  skip_call = lambda q, k, v, s, thr: diffusion.attention(q, k, v, s, thr=thr, implementation=args.implementation,
+                                                          interpret=interpret)[0]
   dense = diffusion.attention(q, k, v, diffusion.SkipState(jnp.zeros_like(state.skip), state.calls), thr=-math.inf,
                               implementation=args.implementation, interpret=interpret)[0].astype(jnp.float32)
-  skipped = skip_call(state, -math.inf).astype(jnp.float32)
+  skipped = skip_call(q, k, v, state, -math.inf).astype(jnp.float32)
   rel_l1 = float(jnp.mean(jnp.abs(skipped - dense)) / jnp.mean(jnp.abs(dense)))
   dense_kw = dict(causal=False, **(dict(implementation="pallas_gpu", interpret=True) if args.quick else {}))
   fns = {"clis": functools.partial(jax.jit(functools.partial(attention, stabilizer="clis", **dense_kw)), q, k, v),
-         "skip@rule": functools.partial(jax.jit(skip_call, static_argnums=1), state, -math.inf),
-         "skip_track@rule": functools.partial(jax.jit(skip_call), state, jnp.float32(-1e4))}
+         "skip@rule": functools.partial(jax.jit(skip_call, static_argnums=4), q, k, v, state, -math.inf),
+         "skip_track@rule": functools.partial(jax.jit(skip_call), q, k, v, state, jnp.float32(-1e4))}
   if not args.quick:
     for name, stab in (("clis_mgpu", "clis"), ("online_mgpu", "online")):
       fns[name] = functools.partial(jax.jit(functools.partial(attention, causal=False, stabilizer=stab,

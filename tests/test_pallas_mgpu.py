@@ -51,7 +51,8 @@ def test_fused_backward_lowers_as_one_kernel(causal, seq, d, packed):
 @pytest.mark.parametrize("packed", [False, True])
 def test_kernel_lowers_for_the_gpu(causal, seq, d, stabilizer, granularity, packed):
   """Forward (in-kernel certificate for tiles, XLA certificate for heads) and the default backward
-  lower for an H200 as three Mosaic GPU kernels, odd lengths padded and masked."""
+  lower for an H200, odd lengths padded and masked: three Mosaic GPU kernels at head dim 128 (two-kernel
+  backward), two at 64 (the fused backward is the default there)."""
   q = jax.ShapeDtypeStruct((1, seq, 8, d), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((1, seq, 2, d), jnp.bfloat16)
 
@@ -63,7 +64,8 @@ def test_kernel_lowers_for_the_gpu(causal, seq, d, stabilizer, granularity, pack
     return out.astype(jnp.float32).sum()
 
   text = lower_for_h200(jax.grad(loss, argnums=(0, 1, 2)), q, k, k, seg)
-  assert text.count("custom_call @mosaic_gpu") == 3 and "clis_bwd" not in text
+  kernels = 2 if d <= pallas_mgpu_vjp.FUSED_MAX_HEAD_DIM else 3
+  assert text.count("custom_call @mosaic_gpu") == kernels and "clis_bwd" not in text
 
 
 @pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
@@ -89,7 +91,7 @@ def test_triton_backward_lowers_for_the_gpu(packed):
 @pytest.mark.parametrize("causal,seq,d,hkv,packed", [
     (True, 256, 128, 2, False), (False, 200, 64, 8, False), (True, 256, 64, 2, True), (False, 256, 128, 8, True)])
 def test_mosaic_backward_lowers_for_the_gpu(causal, seq, d, hkv, packed):
-  """With implementation="pallas_mgpu" (its default backward), forward, dQ and dK/dV are three Mosaic GPU
+  """With implementation="pallas_mgpu" and the two-kernel backward, forward, dQ and dK/dV are three Mosaic GPU
   kernels (no Triton kernel left), GQA and MHA, odd lengths padded, packed segments."""
   q = jax.ShapeDtypeStruct((1, seq, 8, d), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((1, seq, hkv, d), jnp.bfloat16)
@@ -128,14 +130,15 @@ def test_forward_without_pingpong_lowers_for_the_gpu(causal, packed, overlap):
 
 @pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
 @pytest.mark.parametrize("causal", [False, True])
-def test_lowers_with_x64_enabled(causal):
+@pytest.mark.parametrize("d,kernels", [(64, 2), (128, 3)])  # fused backward at 64, two kernels at 128
+def test_lowers_with_x64_enabled(causal, d, kernels):
   """Under jax_enable_x64 the loops keep int32 indices (the H200 run of the shared base found int64 ones)."""
-  q = jax.ShapeDtypeStruct((1, 48, 4, 64), jnp.bfloat16)
-  k = jax.ShapeDtypeStruct((1, 48, 2, 64), jnp.bfloat16)
+  q = jax.ShapeDtypeStruct((1, 48, 4, d), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, 48, 2, d), jnp.bfloat16)
   loss = lambda q, k, v: attention(q, k, v, causal=causal, implementation="pallas_mgpu",
                                    platform=HOPPER).astype(jnp.float32).sum()
   with jax.enable_x64(True):
-    assert lower_for_h200(jax.grad(loss, argnums=(0, 1, 2)), q, k, k).count("custom_call @mosaic_gpu") == 3
+    assert lower_for_h200(jax.grad(loss, argnums=(0, 1, 2)), q, k, k).count("custom_call @mosaic_gpu") == kernels
 
 
 def test_mosaic_backward_block_sizes_are_validated():
