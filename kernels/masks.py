@@ -147,3 +147,28 @@ def causal_q_blocks(kv_block, *, block_q: int, block_k: int, num_q_blocks: int, 
   first = div(kv_block * block_k, block_q)
   first_full = jnp.minimum(div((kv_block + 1) * block_k - 1 + block_q - 1, block_q), num_q_blocks)
   return first, first_full
+
+
+def _id_intervals(ids, block: int):
+  """[B, S] ids -> ([B, S/block], [B, S/block]) min and max of each block's non-padding ids (an empty block:
+  int32 max and min, an interval nothing overlaps)."""
+  ids = ids.astype(jnp.int32).reshape(ids.shape[0], -1, block)
+  big, small = jnp.iinfo(jnp.int32).max, jnp.iinfo(jnp.int32).min
+  return jnp.where(ids != 0, ids, big).min(-1), jnp.where(ids != 0, ids, small).max(-1)
+
+
+def segment_block_ranges(row_ids, col_ids, *, row_block: int, col_block: int):
+  """(first, last) [B, S_rows/row_block] int32: for each block of rows, the first and the last block of columns
+  holding an id equal to one of the rows' (padding id 0 matches nothing). Blocks outside [first, last] see
+  nothing: their id intervals do not overlap, so no id is shared (sound for any ids; for packed documents,
+  contiguous runs of increasing ids, it is exactly the blocks that see something). No overlap anywhere:
+  first = number of column blocks, last = −1. Kernels clamp the ranges to their causal ones.
+  Costs [B, rows/row_block, cols/col_block] compares, not [B, S, S]."""
+  row_lo, row_hi = _id_intervals(row_ids, row_block)
+  col_lo, col_hi = _id_intervals(col_ids, col_block)
+  overlap = (row_lo[:, :, None] <= col_hi[:, None, :]) & (col_lo[:, None, :] <= row_hi[:, :, None])
+  num_cols = overlap.shape[-1]
+  cols = jnp.arange(num_cols, dtype=jnp.int32)
+  first = jnp.where(overlap, cols, num_cols).min(-1)
+  last = jnp.where(overlap, cols, -1).max(-1)
+  return first.astype(jnp.int32), last.astype(jnp.int32)

@@ -39,6 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from clis_kernels import masks
 from clis_kernels.mgpu_pipeline import COMPUTE_WARPGROUPS, cta_first_row, kv_blocks, stream_kv, swizzled
 from clis_kernels.common import int32_loop, out_struct
 from clis_kernels.plan import Mode, stabilizer_inputs
@@ -49,6 +50,7 @@ DTYPES = (jnp.bfloat16, jnp.float16)
 FAILED_TILE_M = 1e30  # M sent for rows of a tile the XLA certificate failed (real M are far smaller)
 ONLINE_FLOOR = -1e20  # the online loop's starting max (base 2): below any real logit
 LIST_COLUMNS = 128  # a kept-tile list lies in rows of this many entries (one TMA box holds <= 256 per dimension)
+RANGE_WIDTH = 16  # a CTA's first KV block (doc_ranges) travels as one 64-byte TMA row, the block in entry 0
 SUM_COLUMNS = 16  # columns of the ones tile the tensor-core sum multiplies by (32-byte rows: wgmma's least swizzle)
 
 
@@ -67,6 +69,10 @@ class BlockSizes:
   "the certified loop's normaliser").
   sum_on_tensor_cores: that sum as a second wgmma, P·ones against a [block_kv, 16] tile of ones in shared
   memory, issued with P·V (no conversion on the vector units).
+  document_ranges: causal packed calls start each CTA's KV loop at the first block that holds a key of its
+  rows' documents (masks.segment_block_ranges), as tokamax's per-row k_start does; the blocks before it are
+  wholly masked and were visited for nothing (8k rows of packed ~500-token documents: 70-80% of the causal
+  blocks). Opt-in until its GPU tests and timings have run.
   The backward is the registry's choice (plan.py): "pallas_mgpu" takes pallas_mgpu_vjp's,
   "pallas_mgpu_triton_bwd" pallas_gpu_vjp's, each with its own BlockSizes.
   """
@@ -78,6 +84,7 @@ class BlockSizes:
   overlap: bool = False
   exact_sum: bool = True
   sum_on_tensor_cores: bool = False
+  document_ranges: bool = False
 
   def __post_init__(self):
     if self.sum_on_tensor_cores and (not self.exact_sum or self.overlap):
@@ -162,6 +169,7 @@ class _Config:
   listed: bool = False  # walk a kept-tile list per CTA (temporal skipping; bidirectional, unpacked)
   track: bool = False  # listed: write each visited block's row maxima (the skip marking statistic)
   list_width: int = 0  # listed: entries per list (a power of two); the last holds the count
+  doc_ranges: bool = False  # causal, packed: each CTA's loop starts at its documents' first KV block
 
 
 class _Refs(NamedTuple):
@@ -181,6 +189,7 @@ class _Refs(NamedTuple):
   ones: Any = None  # tc_sum: [block_kv, 16] ones, the B operand of the sum's wgmma
   visit: Any = None  # listed: [B, Hq, CTAs, rows, columns] int32, kept KV blocks in order, the count last
   rowmax: Any = None  # track: [B, Hq, KV blocks, S] f32 out, max_j t_ij per visited block and row (log2 units)
+  first: Any = None  # doc_ranges: [B, CTAs, RANGE_WIDTH] int32, the CTA's first KV block in entry 0
 
 
 class _Scratch(NamedTuple):
@@ -214,12 +223,14 @@ class _KeysScratch(NamedTuple):
 
 
 class _SegScratch(NamedTuple):
-  """Packed segments: the rows' ids and one block of key ids per slot."""
+  """Packed segments: the rows' ids and one block of key ids per slot; with doc_ranges, the CTA's first block."""
 
   qseg: Any
   kseg: Any
   qseg_ready: Any
   kseg_ready: Any
+  first: Any = None
+  first_ready: Any = None
 
 
 class _ListScratch(NamedTuple):
@@ -280,7 +291,9 @@ def _scratch(c: _Config, dtype, head_dim: int):
   segs = None
   if c.has_segments:
     segs = _SegScratch(plgpu.SMEM((wgs, bq), jnp.int32), plgpu.SMEM((c.slots, bkv), jnp.int32),
-                       plgpu.Barrier(num_barriers=wgs), plgpu.Barrier(num_barriers=c.slots))
+                       plgpu.Barrier(num_barriers=wgs), plgpu.Barrier(num_barriers=c.slots),
+                       *((plgpu.SMEM((RANGE_WIDTH,), jnp.int32), plgpu.Barrier(num_barriers=1)) if c.doc_ranges
+                         else ()))
   lists = None
   if c.listed:
     lists = _ListScratch(plgpu.SMEM(_list_shape(c.list_width), jnp.int32), plgpu.Barrier(num_barriers=1),
@@ -291,10 +304,13 @@ def _scratch(c: _Config, dtype, head_dim: int):
 def _kernel(q_ref, k_ref, v_ref, *refs, config: _Config):
   c = config
   qseg_ref = kseg_ref = m_ref = centre_ref = bounds_ref = flags_ref = ones_ref = visit_ref = rowmax_ref = None
+  first_ref = None
   num_outputs = 2 + (c.mode == "keys") + c.track
   inputs, outputs = refs[:-num_outputs], refs[-num_outputs:]
   if c.has_segments:
     (qseg_ref, kseg_ref), inputs = inputs[:2], inputs[2:]
+  if c.doc_ranges:
+    (first_ref,), inputs = inputs[:1], inputs[1:]
   if c.listed:
     (visit_ref,), inputs = inputs[:1], inputs[1:]
   if c.tc_sum:  # the last input
@@ -309,7 +325,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, config: _Config):
   if c.track:
     (rowmax_ref,) = rest
   g = _Refs(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, m_ref, centre_ref, bounds_ref, o_ref, lse_ref, flags_ref,
-            ones_ref, visit_ref, rowmax_ref)
+            ones_ref, visit_ref, rowmax_ref, first_ref)
   dtype, head_dim = q_ref.dtype, q_ref.shape[-1]
   batch, head = lax.axis_index("batch"), lax.axis_index("heads")
   cta_row0 = cta_first_row(q_ref.shape[1], c.block_q, causal=c.causal)
@@ -329,14 +345,18 @@ def _kernel(q_ref, k_ref, v_ref, *refs, config: _Config):
       plgpu.barrier_wait(ls.visit_ready.at[0])
       _, blocks = _listed_range(c, ls)
       block_of = functools.partial(_list_entry, c, ls)
-    else:
+    first = 0
+    if c.doc_ranges:  # the loops count steps from the CTA's first block (its documents' first key)
+      first = _first_block(c, g, ss, batch, cta_row0)
+      blocks, block_of = cta_blocks - first, lambda i: first + i
+    elif not c.listed:
       blocks, block_of = cta_blocks, lambda i: i
 
     @pl.when(wg < COMPUTE_WARPGROUPS)
     def _compute():
       plgpu.set_max_registers(232, action="increase")
       _compute_warpgroup(c, g, s, ks, ss, ls, wg=wg, batch=batch, head=head, kv_head=kv_head, cta_row0=cta_row0,
-                         cta_blocks=blocks, turns=turns, block_of=block_of)
+                         cta_blocks=blocks, turns=turns, block_of=block_of, first_block=first)
 
     @pl.when(wg == COMPUTE_WARPGROUPS)
     def _memory():
@@ -346,6 +366,16 @@ def _kernel(q_ref, k_ref, v_ref, *refs, config: _Config):
                 num_blocks=blocks, slots=c.slots, free=(s.k_free, s.v_free), block_of=block_of)
 
   pl.run_scoped(body, *_scratch(c, dtype, head_dim), collective_axes="wg")
+
+
+def _first_block(c: _Config, g: _Refs, ss: _SegScratch, batch, cta_row0):
+  """doc_ranges: the CTA's first KV block, loaded by the memory warpgroup, read by every warpgroup."""
+  wg = lax.axis_index("wg")
+  tile = lax.div(cta_row0, jnp.int32(COMPUTE_WARPGROUPS * c.block_q))
+  pl.when(wg == COMPUTE_WARPGROUPS)(lambda: plgpu.copy_gmem_to_smem(g.first.at[batch, tile], ss.first,
+                                                                     ss.first_ready.at[0]))
+  plgpu.barrier_wait(ss.first_ready.at[0])
+  return ss.first[0]
 
 
 def _kv_range(c: _Config, g: _Refs, row0, rows):
@@ -399,11 +429,13 @@ def _one_warpgroup_at_a_time(s: _Scratch, r: _Rows, decide):
 
 
 def _compute_warpgroup(c: _Config, g: _Refs, s: _Scratch, ks, ss, ls, *, wg, batch, head, kv_head, cta_row0,
-                       cta_blocks, turns, block_of):
+                       cta_blocks, turns, block_of, first_block=0):
   """Prologue (loads, then the certificate or the XLA one's M), the KV loop it allows, the epilogue."""
   q_smem, rows = s.qo.at[wg], s.rows.at[wg]
   row0 = cta_row0 + wg * c.block_q
   full, total = _listed_range(c, ls) if c.listed else _kv_range(c, g, row0, c.block_q)
+  if c.doc_ranges:  # steps count from the CTA's first block (launch clamps it to at most full)
+    full, total = full - first_block, total - first_block
   plgpu.copy_gmem_to_smem(g.q.at[batch, pl.ds(row0, c.block_q), head], q_smem, s.q_ready.at[wg])
   if c.mode == "cert":
     plgpu.copy_gmem_to_smem(g.m.at[batch, head, pl.ds(row0, c.block_q)], rows, s.m_ready.at[wg])
@@ -737,6 +769,14 @@ def forward_listed(q, k, v, visit, stab: KeyBounds | None, *, mode: Mode, scale,
                  interpret=False, visit=visit, track=track)
 
 
+def first_kv_blocks(segment_ids, *, cta_rows: int, block_kv: int):
+  """[B, CTAs, RANGE_WIDTH] int32: per causal CTA, the first KV block with a key of its rows' documents, at most
+  the first block its causal loop masks (so both warpgroups' unmasked ranges stay non-negative)."""
+  first, _ = masks.segment_block_ranges(segment_ids.q, segment_ids.kv, row_block=cta_rows, col_block=block_kv)
+  first = jnp.minimum(first, jnp.arange(first.shape[1], dtype=jnp.int32) * cta_rows // block_kv)
+  return jnp.broadcast_to(first[..., None], first.shape + (RANGE_WIDTH,))
+
+
 def _launch(q, k, v, segment_ids, stab, *, mode: Mode, causal, scale, kv_len, block_sizes: BlockSizes, interpret,
             visit=None, track: bool = False):
   keys, cert = stabilizer_inputs(stab, mode)
@@ -753,11 +793,14 @@ def _launch(q, k, v, segment_ids, stab, *, mode: Mode, causal, scale, kv_len, bl
       slots=min(bs.slots, num_kv_blocks), kv_len=kv_len, group=num_heads // k.shape[2],
       has_segments=segment_ids is not None, row_centres=row_centres, pingpong=bs.pingpong, overlap=bs.overlap,
       exact_sum=bs.exact_sum, tc_sum=bs.sum_on_tensor_cores and mode != "online", listed=visit is not None,
-      track=track and visit is not None, list_width=0 if visit is None else visit.shape[-1])
+      track=track and visit is not None, list_width=0 if visit is None else visit.shape[-1],
+      doc_ranges=bs.document_ranges and causal and segment_ids is not None and visit is None)
   kernel = functools.partial(_kernel, config=config)
   args = [q, k, v]
   if segment_ids is not None:  # key id 0 (padding) becomes −1: it then matches no query, padding included
     args += [segment_ids.q.astype(jnp.int32), jnp.where(segment_ids.kv == 0, -1, segment_ids.kv).astype(jnp.int32)]
+  if config.doc_ranges:
+    args.append(first_kv_blocks(segment_ids, cta_rows=COMPUTE_WARPGROUPS * bs.block_q, block_kv=bs.block_kv))
   if visit is not None:
     num_ctas = seq // (COMPUTE_WARPGROUPS * bs.block_q)
     if causal or segment_ids is not None or visit.shape[:3] != (batch, num_heads, num_ctas):

@@ -28,6 +28,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from clis_kernels import masks
 from clis_kernels.mgpu_pipeline import COMPUTE_WARPGROUPS, cta_first_row, kv_blocks, stream_blocks, stream_kv, swizzled
 from clis_kernels.common import int32_loop, out_struct
+from clis_kernels.pallas_mgpu import RANGE_WIDTH, first_kv_blocks
 from clis_kernels.stabilizer import LOG2E
 
 ROWS = 64  # rows per compute warpgroup (one wgmma M tile), and the streamed block in both kernels
@@ -42,10 +43,14 @@ class BlockSizes:
   block) pair, dS·K (a fifth matmul, its dS through shared memory), and adds it into an f32 dQ in HBM with
   TMA's reduce-add, so S and dP are computed once instead of twice. The adds' order varies between runs (f32
   sums of the same terms, not bit-identical); fused_dq=False, the two kernels, is the deterministic choice
-  (each dQ row summed by one warpgroup in a fixed order), at the cost of recomputing S and dP."""
+  (each dQ row summed by one warpgroup in a fixed order), at the cost of recomputing S and dP.
+  document_ranges: causal packed calls visit only the block pairs whose documents meet (the forward's option of
+  the same name: dQ's loop starts at its rows' documents' first KV block, dK/dV's ends at its keys' documents'
+  last query block). Opt-in until its GPU tests and timings have run."""
 
   slots: int = 2
   fused_dq: bool = False
+  document_ranges: bool = False
 
   def __post_init__(self):
     if self.slots < 2:
@@ -73,10 +78,12 @@ def _masked(s, row_pos, col_pos, row_ids, col_ids, *, causal_rows_are_queries, c
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, sigma2, scale, slots, kv_len,
-               group, has_segments):
-  qseg_ref = kseg_ref = None
+               group, has_segments, doc_ranges: bool = False):
+  qseg_ref = kseg_ref = range_ref = None
   if has_segments:
     (qseg_ref, kseg_ref), refs = refs[:2], refs[2:]
+  if doc_ranges:  # [B, q tiles, RANGE_WIDTH]: the CTA's first KV block
+    (range_ref,), refs = refs[:1], refs[1:]
   (dq_ref,) = refs
   dtype, head_dim = q_ref.dtype, q_ref.shape[-1]
   batch, head = lax.axis_index("batch"), lax.axis_index("heads")
@@ -87,9 +94,16 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, s
   _, cta_blocks = kv_range(cta_row0, COMPUTE_WARPGROUPS * ROWS)
 
   def body(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, q_ready, do_ready, lse_ready, delta_ready,
-           k_ready, v_ready, free, *seg_scratch):
+           k_ready, v_ready, free, *extra_scratch):
     wg = lax.axis_index("wg")
+    seg_scratch, range_scratch = extra_scratch[:4 * has_segments], extra_scratch[4 * has_segments:]
     qseg_smem, kseg_smem, qseg_ready, kseg_ready = seg_scratch if has_segments else (None,) * 4
+    first, blocks, block_of, slot_of = 0, cta_blocks, (lambda i: i), (lambda i: lax.rem(i, jnp.int32(slots)))
+    if doc_ranges:  # the CTA's first KV block: the stream starts there and the slots count from it
+      first = _range_entry(range_ref.at[batch, lax.div(cta_row0, jnp.int32(COMPUTE_WARPGROUPS * ROWS))],
+                           *range_scratch)
+      blocks, block_of = cta_blocks - first, (lambda i: first + i)
+      slot_of = lambda i: lax.rem(i - first, jnp.int32(slots))
 
     @pl.when(wg < COMPUTE_WARPGROUPS)
     def _compute():
@@ -112,7 +126,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, s
       rows_of = lambda x: lax.broadcast_in_dim(x, (ROWS, ROWS), [0])
 
       def step(i, acc, masked: bool):
-        slot = lax.rem(i, jnp.int32(slots))
+        slot = slot_of(i)
         plgpu.barrier_wait(k_ready.at[slot])
 
         def s_scope(acc_ref):
@@ -143,13 +157,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, s
         return acc
 
       def release(i, _):  # a block of the CTA's range that these rows do not see
-        slot = lax.rem(i, jnp.int32(slots))
+        slot = slot_of(i)
         for barrier in (k_ready, v_ready) + ((kseg_ready,) if has_segments else ()):
           plgpu.barrier_wait(barrier.at[slot])
         plgpu.barrier_arrive(free.at[slot])
 
       acc = plgpu.layout_cast(jnp.zeros((ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA)
-      acc = int32_loop(0, full, functools.partial(step, masked=False), acc)
+      acc = int32_loop(first, full, functools.partial(step, masked=False), acc)
       if causal or kv_len is not None:
         acc = int32_loop(full, total, functools.partial(step, masked=True), acc)
       if causal:
@@ -164,7 +178,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, s
       plgpu.set_max_registers(40, action="decrease")
 
       stream_kv(k_ref, v_ref, kseg_ref, k_smem, v_smem, kseg_smem, k_ready, v_ready, kseg_ready, batch=batch,
-                kv_head=kv_head, block_kv=ROWS, num_blocks=cta_blocks, slots=slots, free=(free,))
+                kv_head=kv_head, block_kv=ROWS, num_blocks=blocks, slots=slots, free=(free,), block_of=block_of)
 
   per_wg = lambda: plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS)
   per_slot = lambda: plgpu.Barrier(num_barriers=slots)
@@ -182,8 +196,21 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, s
       *(() if not has_segments else (
           plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS), jnp.int32), plgpu.SMEM((slots, ROWS), jnp.int32),
           per_wg(), per_slot())),
+      *_range_scratch(doc_ranges),
       collective_axes="wg",
   )
+
+
+def _range_scratch(doc_ranges: bool) -> tuple:
+  return (plgpu.SMEM((RANGE_WIDTH,), jnp.int32), plgpu.Barrier(num_barriers=1)) if doc_ranges else ()
+
+
+def _range_entry(row_ref, range_smem, range_ready):
+  """Entry 0 of a CTA's range row (doc_ranges), loaded by the memory warpgroup and read by every warpgroup."""
+  pl.when(lax.axis_index("wg") == COMPUTE_WARPGROUPS)(
+      lambda: plgpu.copy_gmem_to_smem(row_ref, range_smem, range_ready.at[0]))
+  plgpu.barrier_wait(range_ready.at[0])
+  return range_smem[0]
 
 
 def _q_blocks(kv0, rows, *, causal: bool, num_q_blocks: int):
@@ -196,10 +223,12 @@ def _q_blocks(kv0, rows, *, causal: bool, num_q_blocks: int):
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, sigma2, scale, slots, group,
-                has_segments, fused_dq: bool = False):
-  qseg_ref = kseg_ref = dq_ref = None
+                has_segments, fused_dq: bool = False, doc_ranges: bool = False):
+  qseg_ref = kseg_ref = dq_ref = range_ref = None
   if has_segments:
     (qseg_ref, kseg_ref), refs = refs[:2], refs[2:]
+  if doc_ranges:  # [B, kv tiles, RANGE_WIDTH]: one past the CTA's last q block
+    (range_ref,), refs = refs[:1], refs[1:]
   if fused_dq:  # an f32 [B, S, Hq, D] ref of zeros that every CTA adds its dQ parts into
     (dq_ref,), refs = refs[:1], refs[1:]
   dk_ref, dv_ref = refs
@@ -210,14 +239,19 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
 
   q_range = functools.partial(_q_blocks, causal=causal, num_q_blocks=num_q_blocks)
   cta_first, _ = q_range(cta_kv0, COMPUTE_WARPGROUPS * ROWS)
-  per_head = jnp.asarray(num_q_blocks - cta_first, jnp.int32)  # q blocks the CTA streams per head of the group
+  all_q_blocks = jnp.asarray(num_q_blocks - cta_first, jnp.int32)  # q blocks the CTA streams per head of the group
 
   def body(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, k_ready, v_ready, q_ready, do_ready, lse_ready,
            delta_ready, free, *extra_scratch):
     wg = lax.axis_index("wg")
-    seg_scratch, dq_scratch = extra_scratch[:4 * has_segments], extra_scratch[4 * has_segments:]
+    seg_scratch, extra_scratch = extra_scratch[:4 * has_segments], extra_scratch[4 * has_segments:]
+    dq_scratch, range_scratch = extra_scratch[:2 * fused_dq], extra_scratch[2 * fused_dq:]
     kseg_smem, qseg_smem, kseg_ready, qseg_ready = seg_scratch if has_segments else (None,) * 4
     ds_smem, dq_smem = dq_scratch if fused_dq else (None, None)
+    end, per_head = num_q_blocks, all_q_blocks  # one past the last q block the CTA visits; blocks per head
+    if doc_ranges:
+      end = _range_entry(range_ref.at[batch, lax.axis_index("kv_tiles")], *range_scratch)
+      per_head = end - cta_first
 
     @pl.when(wg < COMPUTE_WARPGROUPS)
     def _compute():
@@ -286,7 +320,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
         if causal:
           int32_loop(cta_first, first, functools.partial(release, g=g), None)
           carry = int32_loop(first, first_full, functools.partial(step, g=g, masked=True), carry)
-          return int32_loop(first_full, num_q_blocks, functools.partial(step, g=g, masked=False), carry)
+          return int32_loop(first_full, end, functools.partial(step, g=g, masked=False), carry)
         return int32_loop(0, num_q_blocks, functools.partial(step, g=g, masked=False), carry)
 
       zeros = plgpu.layout_cast(jnp.zeros((ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA)
@@ -310,7 +344,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
       _stream_query_blocks(streams, kv_head=kv_head, group=group, per_head=per_head, cta_first=cta_first,
                            slots=slots, free=free)
 
-  pl.run_scoped(body, *_dkv_scratch(dtype, head_dim, slots, has_segments, fused_dq), collective_axes="wg")
+  pl.run_scoped(body, *_dkv_scratch(dtype, head_dim, slots, has_segments, fused_dq), *_range_scratch(doc_ranges),
+                collective_axes="wg")
 
 
 def _stream_query_blocks(streams, *, kv_head, group: int, per_head, cta_first, slots: int, free):
@@ -400,9 +435,14 @@ def backward(q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_s
   args = [q, k, v, do, lse, delta]
   if segment_ids is not None:  # key id 0 (padding) becomes −1, as in the forward
     args += [segment_ids.q.astype(jnp.int32), jnp.where(segment_ids.kv == 0, -1, segment_ids.kv).astype(jnp.int32)]
+  doc_ranges = block_sizes.document_ranges and causal and segment_ids is not None
   common = dict(causal=causal, sigma2=scale * LOG2E, scale=scale, slots=block_sizes.slots,
-                group=num_heads // num_kv_heads, has_segments=segment_ids is not None)
+                group=num_heads // num_kv_heads, has_segments=segment_ids is not None, doc_ranges=doc_ranges)
   q_tiles, kv_tiles = seq // (COMPUTE_WARPGROUPS * ROWS), kv_seq // (COMPUTE_WARPGROUPS * ROWS)
+  dq_args, dkv_args = args, args
+  if doc_ranges:
+    dq_args = args + [first_kv_blocks(segment_ids, cta_rows=COMPUTE_WARPGROUPS * ROWS, block_kv=ROWS)]
+    dkv_args = args + [_q_block_ends(segment_ids)]
   launch = dict(num_threads=COMPUTE_WARPGROUPS + 1, thread_name="wg",
                 compiler_params=plgpu.CompilerParams(approx_math=True))
   if block_sizes.fused_dq:
@@ -410,11 +450,22 @@ def backward(q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_s
     dk, dv = plgpu.kernel(functools.partial(_dkv_kernel, fused_dq=True, **common),
                           out_type=(out_struct(k.shape, k.dtype, k), out_struct(v.shape, v.dtype, v)),
                           grid=(num_kv_heads, kv_tiles, batch), grid_names=("heads", "kv_tiles", "batch"),
-                          **launch)(*args, dq_acc)
+                          **launch)(*dkv_args, dq_acc)
     return (dq_acc[...] * scale).astype(q.dtype), dk, dv
   dq = plgpu.kernel(functools.partial(_dq_kernel, kv_len=kv_len, **common), out_type=out_struct(q.shape, q.dtype, q),
-                    grid=(num_heads, q_tiles, batch), grid_names=("heads", "q_tiles", "batch"), **launch)(*args)
+                    grid=(num_heads, q_tiles, batch), grid_names=("heads", "q_tiles", "batch"), **launch)(*dq_args)
   dk, dv = plgpu.kernel(functools.partial(_dkv_kernel, **common),
                         out_type=(out_struct(k.shape, k.dtype, k), out_struct(v.shape, v.dtype, v)),
-                        grid=(num_kv_heads, kv_tiles, batch), grid_names=("heads", "kv_tiles", "batch"), **launch)(*args)
+                        grid=(num_kv_heads, kv_tiles, batch), grid_names=("heads", "kv_tiles", "batch"),
+                        **launch)(*dkv_args)
   return dq, dk, dv
+
+
+def _q_block_ends(segment_ids):
+  """[B, kv tiles, RANGE_WIDTH] int32: one past the last q block (of ROWS) with a query of the kv tile's documents,
+  at least one past the tile's diagonal blocks (so the causal loops' ranges stay ordered)."""
+  cta_keys = COMPUTE_WARPGROUPS * ROWS
+  _, last = masks.segment_block_ranges(segment_ids.kv, segment_ids.q, row_block=cta_keys, col_block=ROWS)
+  diagonal_end = (jnp.arange(last.shape[1], dtype=jnp.int32) + 1) * cta_keys // ROWS
+  end = jnp.minimum(jnp.maximum(last + 1, diagonal_end), segment_ids.q.shape[1] // ROWS)
+  return jnp.broadcast_to(end[..., None], end.shape + (RANGE_WIDTH,))

@@ -30,14 +30,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from clis_kernels import api, attention, masks, pallas_mgpu_vjp, stabilizer, testing
+from clis_kernels import api, attention, masks, pallas_mgpu, pallas_mgpu_vjp, stabilizer, testing
 from clis_kernels import plan as plan_lib
 from clis_bench import benchmarking
 
 
-def _inputs(b, s, hq, hkv, d, packed, seed=0, family="gaussian", dtype=jnp.bfloat16):
+def _inputs(b, s, hq, hkv, d, packed, seed=0, family="gaussian", dtype=jnp.bfloat16, doc_len=None):
   """q, k, v, do, segment ids: Gaussian keys with a shared component, or one of clis_kernels.testing's
-  families shaped like a pretrained model's activations (RoPE, sinks, outlier channels)."""
+  families shaped like a pretrained model's activations (RoPE, sinks, outlier channels). Packed rows hold
+  4 documents, or documents of 1 to 2·doc_len tokens (a training batch's) when doc_len is given."""
+  if packed and doc_len:
+    lengths = np.random.default_rng(seed).integers(1, 2 * doc_len, size=(b, s))
+    seg = jnp.asarray(np.stack([np.repeat(np.arange(1, s + 1), n)[:s] for n in lengths]), jnp.int32)
+    return (*_inputs(b, s, hq, hkv, d, False, seed, family, dtype)[:4], seg)
   if family != "gaussian":
     q, k, v, do, seg = testing.inputs(family, b, s, hq, hkv, d, seed=seed)
     return q, k, v, do, (seg if seg is not None or not packed else _inputs(b, s, hq, hkv, d, True, seed)[4])
@@ -126,6 +131,24 @@ def _backward_choice(q, k, v, seg, causal, stabilizer, fused):
                    backward_block_sizes=pallas_mgpu_vjp.BlockSizes(fused_dq=fused))
 
 
+def _document_ranges(q, k, v, seg, causal, stabilizer):
+  """The Mosaic GPU kernels visiting only the blocks where packed documents meet (BlockSizes.document_ranges)."""
+  return attention(q, k, v, seg, causal=causal, stabilizer=stabilizer, implementation="pallas_mgpu",
+                   block_sizes=pallas_mgpu.BlockSizes(document_ranges=True),
+                   backward_block_sizes=pallas_mgpu_vjp.BlockSizes(
+                       fused_dq=q.shape[-1] <= pallas_mgpu_vjp.FUSED_MAX_HEAD_DIM, document_ranges=True))
+
+
+def _tokamax_k_start(q, k, v, seg, causal):
+  """tokamax's Mosaic GPU flash attention with packed documents as per-row first keys (the trainer's
+  attention=tokamax; causal only)."""
+  from clis_train.attention import _tokamax as tokamax_docs
+  if not causal:
+    raise ValueError("tokamax_k_start is causal only")
+  seg = jnp.ones(q.shape[:2], jnp.int32) if seg is None else seg
+  return tokamax_docs(q, k, v, seg, on_gpu=True)
+
+
 def implementations(names, platform, quick):
   """{name: f(q, k, v, seg, causal)} for the names this platform can run, and notes on the rest."""
   ours = dict(implementation="pallas_gpu", interpret=True) if quick else {}
@@ -157,11 +180,13 @@ def implementations(names, platform, quick):
     for stab in ("clis", "online"):  # the API's default forward with the one-kernel Mosaic GPU backward
       table[f"{stab}_fused_bwd"] = functools.partial(_backward_choice, stabilizer=stab, fused=True)
       table[f"{stab}_two_kernel_bwd"] = functools.partial(_backward_choice, stabilizer=stab, fused=False)
+      table[f"{stab}_doc_ranges"] = functools.partial(_document_ranges, stabilizer=stab)
+    table["tokamax_k_start"] = _tokamax_k_start
   fns, notes = {}, []
   for name in names:
     if name == "cudnn" and platform != "gpu":
       notes.append("cudnn skipped: needs an NVIDIA GPU")
-    elif name.startswith("tokamax_"):
+    elif name.startswith("tokamax_") and name not in table:
       try:
         fns[name] = _tokamax(name.removeprefix("tokamax_"))
       except ImportError:
@@ -196,7 +221,8 @@ def cases(args):
           for packed in both[args.packed]:
             hq, hkv, d = args.llm_heads
             heads = "" if (hq, hkv, d) == tuple(testing.LLM_HEADS) else f"_H{hq}-{hkv}_D{d}"
-            name = f"llm_{'causal' if causal else 'bidir'}{'_packed' if packed else ''}{heads}_S{s}"
+            docs = f"_docs{args.doc_len}" if packed and args.doc_len else ""
+            name = f"llm_{'causal' if causal else 'bidir'}{'_packed' if packed else ''}{docs}{heads}_S{s}"
             out.append(dict(case=name if family == "gaussian" else f"{name}_{family}", b=batch(s), s=s, hq=hq, hkv=hkv,
                             d=d, causal=causal, packed=packed, inputs=family))
   if args.suite in ("dit", "all"):
@@ -212,6 +238,8 @@ def main():
   parser.add_argument("--suite", choices=["llm", "dit", "all"], default="llm")
   parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
   parser.add_argument("--packed", choices=["no", "yes", "both"], default="both")
+  parser.add_argument("--doc-len", type=int, default=None,
+                      help="packed rows of documents 1 to 2·N tokens long (a training batch's), not 4 per row")
   parser.add_argument("--llm-heads", type=int, nargs=3, default=list(testing.LLM_HEADS), metavar=("HQ", "HKV", "D"),
                       help="llm suite: query heads, kv heads, head dim")
   parser.add_argument("--dit-heads", type=int, nargs="+", default=[12, 40])
@@ -244,12 +272,12 @@ def main():
   records = []
   for c in cases(args):
     q, k, v, do, seg = _inputs(c["b"], c["s"], c["hq"], c["hkv"], c["d"], c["packed"], family=c["inputs"],
-                               dtype=c.get("dtype", jnp.bfloat16))
+                               dtype=c.get("dtype", jnp.bfloat16), doc_len=args.doc_len)
     variants = {}
     for name, f in fns.items():
       if name == "xla" and c["b"] * c["hq"] * c["s"] ** 2 * 4 / 2**30 > args.xla_max_gb:
         continue
-      if c["packed"] and (name == "cudnn" or name.startswith("tokamax_")):
+      if c["packed"] and (name == "cudnn" or name.startswith("tokamax_")) and name != "tokamax_k_start":
         continue  # these entry points take no segment ids here
       if name.endswith("prepass"):  # the certificate alone, to split clis time into pre-pass and kernel
         variants[(name, "fwd")] = functools.partial(jax.jit(functools.partial(f, causal=c["causal"])), q, k, v, seg)

@@ -351,3 +351,81 @@ def test_tensor_core_sum_matches_float64_on_gpu(case):
   tests = TestPallasMgpu()
   tests.block_sizes = pallas_mgpu.BlockSizes(sum_on_tensor_cores=True)
   tests.check_case((name, batch, seq, hq, hkv, d, jnp.bfloat16, causal, packed))
+
+
+def short_documents(seed, batch, seq, mean_len):
+  """Packed rows of many short documents (lengths 1 to 2·mean_len, ids 1, 2, ...) and a padded (id 0) tail."""
+  rng = np.random.default_rng(seed)
+  rows = []
+  for _ in range(batch):
+    lengths = rng.integers(1, 2 * mean_len, size=seq)
+    ids = np.repeat(np.arange(1, seq + 1), lengths)[:seq]
+    ids[seq - rng.integers(1, 40):] = 0
+    rows.append(ids)
+  return jnp.asarray(np.stack(rows), jnp.int32)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_segment_block_ranges_hold_every_visible_pair(seed):
+  """masks.segment_block_ranges: every block pair with a visible (same-id, non-padding) pair lies inside
+  [first, last], for arbitrary ids too; for packed documents (contiguous runs of ids 1, 2, 3, ...) the range
+  is exactly the blocks that see something."""
+  from clis_kernels import masks
+  rng = np.random.default_rng(seed)
+  seq, rows, cols = 512, 128, 64
+  ids = np.asarray(short_documents(seed, 2, seq, mean_len=[8, 40, 150][seed % 3]))
+  if seed >= 3:  # arbitrary ids: not contiguous, not sorted
+    ids = np.where(ids > 0, rng.integers(1, 9, size=ids.shape), 0)
+  first, last = (np.asarray(x) for x in masks.segment_block_ranges(jnp.asarray(ids), jnp.asarray(ids),
+                                                                   row_block=rows, col_block=cols))
+  same = (ids[:, :, None] == ids[:, None, :]) & (ids[:, None, :] != 0)
+  seen = same.reshape(2, seq // rows, rows, seq // cols, cols).any(axis=(2, 4))  # [B, row blocks, col blocks]
+  blocks = np.arange(seq // cols)
+  inside = (blocks[None, None, :] >= first[..., None]) & (blocks[None, None, :] <= last[..., None])
+  assert not (seen & ~inside).any()
+  if seed < 3:  # packed documents: the range is exactly the blocks that see something
+    np.testing.assert_array_equal(seen, inside)
+
+
+@pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
+@pytest.mark.parametrize("stabilizer,fused,d", [("online", False, 64), ("clis", True, 64), ("clis", False, 128)])
+def test_document_ranges_lower_for_the_gpu(stabilizer, fused, d):
+  """BlockSizes(document_ranges=True), forward and both backwards: each CTA's first (or last) block travels as
+  a range row its memory warpgroup loads; packed causal calls lower as the same number of kernels."""
+  q = jax.ShapeDtypeStruct((1, 500, 8, d), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, 500, 2, d), jnp.bfloat16)
+  seg = jax.ShapeDtypeStruct((1, 500), jnp.int32)
+
+  def loss(q, k, v, seg):
+    return attention(q, k, v, seg, causal=True, stabilizer=stabilizer, implementation="pallas_mgpu",
+                     platform=HOPPER, block_sizes=pallas_mgpu.BlockSizes(document_ranges=True),
+                     backward_block_sizes=pallas_mgpu_vjp.BlockSizes(document_ranges=True, fused_dq=fused)
+                     ).astype(jnp.float32).sum()
+
+  text = lower_for_h200(jax.grad(loss, argnums=(0, 1, 2)), q, k, k, seg)
+  assert text.count("custom_call @mosaic_gpu") == (2 if fused else 3)
+
+
+@needs_gpu
+@pytest.mark.parametrize("stabilizer,d,mean_len", [("online", 64, 60), ("clis", 128, 300), ("clis", 64, 700)])
+def test_document_ranges_change_nothing_on_gpu(stabilizer, d, mean_len):
+  """Skipping the blocks before (after) the documents' first (last) block adds only exact zeros: forward and
+  the two-kernel backward bit-identical to the full causal loops; the fused backward against float64. Many short
+  documents, a padded tail, an odd length, GQA."""
+  seq = 2000
+  q, k, v, do = random_inputs(d + mean_len, 2, seq, 8, 2, d, jnp.bfloat16)
+  seg = short_documents(mean_len, 2, seq, mean_len)
+  results = {}
+  for ranges in (False, True):
+    for fused in (False, True):
+      f = lambda q, k, v: attention(q, k, v, seg, causal=True, stabilizer=stabilizer, implementation="pallas_mgpu",
+                                    block_sizes=pallas_mgpu.BlockSizes(document_ranges=ranges),
+                                    backward_block_sizes=pallas_mgpu_vjp.BlockSizes(document_ranges=ranges,
+                                                                                    fused_dq=fused))
+      out, vjp = jax.vjp(f, q, k, v)
+      results[ranges, fused] = (out, *vjp(do))
+  for got, want in zip(results[True, False], results[False, False]):
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+  want = ref.attention(q, k, v, do, seg, causal=True)
+  for got, full, exact in zip(results[True, True], results[False, True], want):
+    assert ref.rel_err(got, exact) <= CLIS_VS_ONLINE * max(ref.rel_err(full, exact), 1e-3)
