@@ -276,6 +276,22 @@ def test_mosaic_gpu_skip_kernel_matches_float64_on_gpu(case, stabilizer_name):
   assert np.all(np.asarray(gap - log2_l[..., None]) <= exact + 0.05)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernels run on an NVIDIA Hopper GPU only")
+@pytest.mark.parametrize("thr", [-math.inf, -1e4])
+def test_nothing_skipped_is_the_dense_kernel_bit_for_bit_on_gpu(thr):
+  """The example DiT's shape (B 4, S 4096, H 2, D 64), where the plan runs both in the online loop: the listed
+  kernel walking every block, marking (thr −1e4) or not, returns the dense kernel's output bit for bit; so a
+  sample that moves with nothing skipped moved outside attention (XLA's fusion of the rest of the step)."""
+  q, k, v, _ = random_inputs(4, 4, 4096, 2, 2, 64, jnp.bfloat16)
+  bs = plan.make_plan(dtype=q.dtype, head_dim=64, seq_len=4096, skipping=True, causal=False).block_sizes
+  state = diffusion.init_state(4, 2, 4096, bs)
+  listed, marked, _ = jax.jit(lambda q, k, v: diffusion.attention(q, k, v, state, thr=thr))(q, k, v)
+  dense = jax.jit(lambda q, k, v: attention(q, k, v, causal=False, stabilizer="clis"))(q, k, v)
+  np.testing.assert_array_equal(np.asarray(listed.astype(jnp.float32)), np.asarray(dense.astype(jnp.float32)))
+  assert not bool(marked.skip.any()) or thr > -math.inf
+
+
 def _statistic(q, k, v, skip, plan_, stabilizer_name):
   """The skip kernel's (gap, log2_l) for this call, as diffusion.attention receives them."""
   from clis_kernels import api

@@ -1,0 +1,28 @@
+# The next device session's plan (issues 17, 18), each call well inside 600 s. carry [".whl", ".whl-maxtext"];
+# from the repository root: `bash notes/experiments/session13_h200.sh A` (then B once A's tests pass and
+# document_ranges is the default in pallas_mgpu.BlockSizes and pallas_mgpu_vjp.BlockSizes).
+#   A: GPU tests of document ranges (bit-identical to the full causal loops) and of the skip kernel with nothing
+#      skipped (bit-identical to the dense kernel); packed-document timings at the 1B shape and at D 128.
+#   B: the 1B trainer with clis / tokamax / cuDNN on packed documents.
+source notes/experiments/device_env.sh
+source notes/experiments/maxtext_wheels.sh
+GPU_TEST="env JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_MEM_FRACTION=0.15 python3 -m pytest -q -n 6 -m gpu -p no:cacheprovider -rf"
+case "$1" in
+  A)
+    TAIL=15 step tests 150 $GPU_TEST tests/test_pallas_mgpu.py tests/test_diffusion_skipping.py \
+        -k "document_ranges or bit_for_bit"
+    TAIL=30 step docs_1b 170 python3 scripts/bench_attention.py --suite llm --seq-lens 8192 --tokens 16384 \
+        --llm-heads 32 8 64 --packed yes --doc-len 300 --passes fwd bwd fwd_bwd \
+        --impls clis clis_doc_ranges tokamax_k_start --repeats 7 --inner 3 --out "$OUT/docs_1b.json"
+    TAIL=30 step docs_d128 170 python3 scripts/bench_attention.py --suite llm --seq-lens 8192 32768 --tokens 32768 \
+        --packed yes --doc-len 1000 --passes fwd_bwd --impls clis clis_doc_ranges tokamax_k_start --repeats 5 \
+        --inner 3 --out "$OUT/docs_d128.json"
+    ;;
+  B)
+    TAIL=15 step train 330 python3 scripts/bench_train.py recipes/cpt.yaml run_dir=/tmp/bt data.seq_len=8192 \
+        data.per_device_batch=1 --attentions clis tokamax cudnn --warmup 1 --steps 8 --out "$OUT/train_1b_docs.json"
+    ;;
+  *) echo "usage: session13_h200.sh A|B"; exit 2 ;;
+esac
+# At most 8 files come back from $OUT: everything goes back as one archive.
+(cd "$OUT" && tar czf all.tgz --remove-files -- *)
