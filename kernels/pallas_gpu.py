@@ -40,6 +40,9 @@ class BlockSizes:
   The forward's certified loop steps by block_k_fixed, its online loop by block_k: without
   the rescale the fixed loop is cheaper per key and prefers a different tile (H200 sweep,
   notes/kernels.md).
+  document_ranges: causal packed calls skip the block pairs where no documents meet (masks.segment_block_ranges):
+  the forward's and dQ's loops start at their rows' documents' first key block, dK/dV's end at its keys'
+  documents' last query block. Opt-in until timed on a GPU.
   """
 
   block_q: int = 128
@@ -53,6 +56,7 @@ class BlockSizes:
   block_k_dkv: int = 64
   num_warps_bwd: int = 4
   num_stages_bwd: int = 2
+  document_ranges: bool = False
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
@@ -145,10 +149,12 @@ def write_outputs(acc, m, l, certified, o_ref, lse_ref, tiles_ref):
 
 
 def _fwd_kernel(*refs, has_segments: bool, mode: str, causal: bool, sigma2: float, block_q: int, block_k: int,
-                block_k_fixed: int, kv_len: int | None, seq_len: int, num_q_blocks: int, precision, window, cap2):
+                block_k_fixed: int, kv_len: int | None, seq_len: int, num_q_blocks: int, precision, window, cap2,
+                doc_ranges: bool = False):
   q_ref, k_ref, v_ref = refs[:3]
   qseg_ref, kseg_ref = refs[3:5] if has_segments else (None, None)
-  stab_refs, (o_ref, lse_ref, tiles_ref) = refs[3 + 2 * has_segments:-3], refs[-3:]
+  first_ref = refs[3 + 2 * has_segments] if doc_ranges else None  # the tile's documents' first key
+  stab_refs, (o_ref, lse_ref, tiles_ref) = refs[3 + 2 * has_segments + doc_ranges:-3], refs[-3:]
   pid = pl.program_id(0)
   q_block = num_q_blocks - 1 - pid if causal else pid
   q = q_ref[...]
@@ -189,7 +195,8 @@ def _fwd_kernel(*refs, has_segments: bool, mode: str, causal: bool, sigma2: floa
                                                     num_kv_blocks=num_kv_blocks, div=masks.idiv)
     else:
       num_full, num_total = masks.bidirectional_kv_blocks(kv_len=kv_len, block_k=block, num_kv_blocks=num_kv_blocks)
-    carry = lax.fori_loop(0, num_full, functools.partial(body, masked=qseg_ref is not None), carry)
+    first = 0 if first_ref is None else jnp.minimum(masks.idiv(jnp.max(first_ref[...]), block), num_full)
+    carry = lax.fori_loop(first, num_full, functools.partial(body, masked=qseg_ref is not None), carry)
     return lax.fori_loop(num_full, num_total, functools.partial(body, masked=True), carry)
 
   def fixed(m0):
@@ -217,6 +224,13 @@ def _fwd_kernel(*refs, has_segments: bool, mode: str, causal: bool, sigma2: floa
       m0, certified = m_ref[...], jnp.sum(cert_ref[...]) > 0
     acc, m, l = lax.cond(certified, lambda: fixed(m0), online)
   write_outputs(acc, m, l, certified, o_ref, lse_ref, tiles_ref)
+
+
+def first_keys(segment_ids, *, rows: int, keys: int):
+  """[B, S / rows, 1] int32: per tile of `rows` queries, the first key of the first `keys`-block holding a key of
+  the rows' documents (document_ranges; the kernels clamp it to their causal ranges)."""
+  first, _ = masks.segment_block_ranges(segment_ids.q, segment_ids.kv, row_block=rows, col_block=keys)
+  return (first * keys)[..., None]
 
 
 def forward(q, k, v, segment_ids, stab: KeyBounds | Certificate | None, *, mode: Mode, causal, scale, kv_len,
@@ -253,6 +267,10 @@ def forward(q, k, v, segment_ids, stab: KeyBounds | Certificate | None, *, mode:
   if segment_ids is not None:
     in_specs += [pl.BlockSpec((None, bq), seg_q_map), pl.BlockSpec((None, kv_seq), lambda i, b, h: (b, 0))]
     args += [segment_ids.q, segment_ids.kv]
+  doc_ranges = block_sizes.document_ranges and causal and segment_ids is not None and window is None
+  if doc_ranges:
+    in_specs.append(pl.BlockSpec((None, None, 1), lambda i, b, h: (*seg_q_map(i, b, h), 0)))
+    args.append(first_keys(segment_ids, rows=bq, keys=min(block_sizes.block_k, block_sizes.block_k_fixed)))
   if keys is not None:
     mode = "keys"
     if keys.centre.shape[1] == 1:  # one centre per (batch, kv head)
@@ -272,7 +290,7 @@ def forward(q, k, v, segment_ids, stab: KeyBounds | Certificate | None, *, mode:
       _fwd_kernel, has_segments=segment_ids is not None, mode=mode, causal=causal, sigma2=scale * LOG2E,
       block_q=bq, block_k=block_sizes.block_k, block_k_fixed=block_sizes.block_k_fixed, kv_len=kv_len,
       seq_len=seq if seq_len is None else seq_len, num_q_blocks=nq, precision=dot_precision(q.dtype), window=window,
-      cap2=None if softcap is None else softcap * LOG2E)
+      cap2=None if softcap is None else softcap * LOG2E, doc_ranges=doc_ranges)
   o, lse, tiles = pl.pallas_call(
       kernel,
       grid=(nq, batch, num_heads),

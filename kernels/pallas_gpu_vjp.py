@@ -19,15 +19,18 @@ from jax.experimental.pallas import triton as plgpu
 
 from clis_kernels import masks
 from clis_kernels.common import dot_precision, out_struct
-from clis_kernels.pallas_gpu import BlockSizes
+from clis_kernels.pallas_gpu import BlockSizes, first_keys
 from clis_kernels.stabilizer import LOG2E, NEG, soft_cap
 
 
-def _split(refs, has_segments, num_in):
-  ins, outs = refs[:num_in], refs[num_in:]
+def _split(refs, has_segments, num_in, doc_ranges=False):
+  """(the six operands, qseg, kseg, the range ref or None, outputs)."""
+  ins, outs = refs[:num_in + doc_ranges], refs[num_in + doc_ranges:]
+  ranges = ins[-1] if doc_ranges else None
+  ins = ins[:num_in]
   if has_segments:
-    return ins[:-2], ins[-2], ins[-1], outs
-  return ins, None, None, outs
+    return ins[:-2], ins[-2], ins[-1], ranges, outs
+  return ins, None, None, ranges, outs
 
 
 def _probabilities(q, k, lse, q_pos, k_pos, q_seg, k_seg, *, masked, causal, kv_len, window, sigma2, cap2,
@@ -48,9 +51,10 @@ def _ds(p, dcap, dp, delta):
   return ds if dcap is None else ds * dcap
 
 
-def _dq_kernel(*refs, has_segments, causal, sigma2, scale, block_q, block_k, kv_len, precision, window, cap2):
-  (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), qseg_ref, kseg_ref, (dq_ref,) = _split(
-      refs, has_segments, 8 if has_segments else 6)
+def _dq_kernel(*refs, has_segments, causal, sigma2, scale, block_q, block_k, kv_len, precision, window, cap2,
+               doc_ranges=False):
+  (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), qseg_ref, kseg_ref, first_ref, (dq_ref,) = _split(
+      refs, has_segments, 8 if has_segments else 6, doc_ranges)
   q_block = pl.program_id(0)
   num_kv_blocks = k_ref.shape[0] // block_k
   q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
@@ -79,15 +83,16 @@ def _dq_kernel(*refs, has_segments, causal, sigma2, scale, block_q, block_k, kv_
   else:
     num_full, num_total = masks.bidirectional_kv_blocks(kv_len=kv_len, block_k=block_k, num_kv_blocks=num_kv_blocks)
   dq = jnp.zeros(dq_ref.shape, jnp.float32)
-  dq = lax.fori_loop(0, num_full, functools.partial(body, masked=has_segments), dq)
+  first = 0 if first_ref is None else jnp.minimum(masks.idiv(jnp.max(first_ref[...]), block_k), num_full)
+  dq = lax.fori_loop(first, num_full, functools.partial(body, masked=has_segments), dq)
   dq = lax.fori_loop(num_full, num_total, functools.partial(body, masked=True), dq)
   dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 
 def _dkv_kernel(*refs, has_segments, causal, sigma2, scale, block_q, block_k, kv_len, group, precision, window,
-                cap2):
-  (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), qseg_ref, kseg_ref, (dk_ref, dv_ref) = _split(
-      refs, has_segments, 8 if has_segments else 6)
+                cap2, doc_ranges=False):
+  (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), qseg_ref, kseg_ref, end_ref, (dk_ref, dv_ref) = _split(
+      refs, has_segments, 8 if has_segments else 6, doc_ranges)
   kv_block = pl.program_id(0)
   num_q_blocks = q_ref.shape[0] // block_q
   k, v = k_ref[...], v_ref[...]
@@ -118,12 +123,13 @@ def _dkv_kernel(*refs, has_segments, causal, sigma2, scale, block_q, block_k, kv
     first = first_full = 0
   # Non-causal block padding: kv blocks that reach past kv_len hide some keys.
   masked_tail = kv_len is not None and (kv_block + 1) * block_k > kv_len
+  end = num_q_blocks if end_ref is None else jnp.maximum(masks.idiv(jnp.max(end_ref[...]), block_q), first_full)
 
   def per_head(head, carry):
     carry = lax.fori_loop(first, first_full, functools.partial(body, head=head, masked=True), carry)
     if window is not None:
       return carry
-    tail = functools.partial(lax.fori_loop, first_full, num_q_blocks)
+    tail = functools.partial(lax.fori_loop, first_full, end)
     if has_segments:
       return tail(functools.partial(body, head=head, masked=True), carry)
     if kv_len is None:
@@ -145,8 +151,10 @@ def backward(q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_s
   group = num_heads // num_kv_heads
   delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32))
   has_seg = segment_ids is not None
+  doc_ranges = block_sizes.document_ranges and causal and has_seg and window is None
   common = dict(has_segments=has_seg, causal=causal, sigma2=scale * LOG2E, scale=scale, kv_len=kv_len,
-                precision=dot_precision(q.dtype), window=window, cap2=None if softcap is None else softcap * LOG2E)
+                precision=dot_precision(q.dtype), window=window, cap2=None if softcap is None else softcap * LOG2E,
+                doc_ranges=doc_ranges)
   params = plgpu.CompilerParams(num_warps=block_sizes.num_warps_bwd, num_stages=block_sizes.num_stages_bwd)
 
   bq, bk = block_sizes.block_q_dq, block_sizes.block_k_dq
@@ -164,6 +172,10 @@ def backward(q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_s
   if has_seg:
     in_specs += [pl.BlockSpec((None, bq), lambda i, b, h: (b, i)), pl.BlockSpec((None, kv_seq), lambda i, b, h: (b, 0))]
     args += [segment_ids.q, segment_ids.kv]
+  dq_args = args
+  if doc_ranges:
+    in_specs.append(pl.BlockSpec((None, None, 1), lambda i, b, h: (b, i, 0)))
+    dq_args = args + [first_keys(segment_ids, rows=bq, keys=bk)]
   dq = pl.pallas_call(
       functools.partial(_dq_kernel, block_q=bq, block_k=bk, **common),
       grid=(seq // bq, batch, num_heads),
@@ -171,7 +183,7 @@ def backward(q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_s
       out_specs=pl.BlockSpec((None, bq, None, head_dim), row),
       out_shape=out_struct(q.shape, q.dtype, q),
       compiler_params=params, interpret=interpret, name="clis_bwd_dq",
-  )(*args)
+  )(*dq_args)
 
   bq, bk = block_sizes.block_q_dkv, block_sizes.block_k_dkv
   kv_row = lambda i, b, h: (b, i, h, 0)
@@ -187,6 +199,10 @@ def backward(q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_s
   ]
   if has_seg:
     in_specs += [pl.BlockSpec((None, seq), lambda i, b, h: (b, 0)), pl.BlockSpec((None, bk), lambda i, b, h: (b, i))]
+  dkv_args = args
+  if doc_ranges:
+    in_specs.append(pl.BlockSpec((None, None, 1), lambda i, b, h: (b, i, 0)))
+    dkv_args = args + [_query_ends(segment_ids, keys=bk, rows=bq)]
   dk, dv = pl.pallas_call(
       functools.partial(_dkv_kernel, block_q=bq, block_k=bk, group=group, **common),
       grid=(kv_seq // bk, batch, num_kv_heads),
@@ -194,5 +210,12 @@ def backward(q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_s
       out_specs=[pl.BlockSpec((None, bk, None, head_dim), kv_row), pl.BlockSpec((None, bk, None, head_dim), kv_row)],
       out_shape=[out_struct(k.shape, k.dtype, q), out_struct(v.shape, v.dtype, q)],
       compiler_params=params, interpret=interpret, name="clis_bwd_dkv",
-  )(*args)
+  )(*dkv_args)
   return dq, dk, dv
+
+
+def _query_ends(segment_ids, *, keys: int, rows: int):
+  """[B, Sk / keys, 1] int32: per block of `keys` keys, one past the last query of the last `rows`-block holding a
+  query of the keys' documents (document_ranges; the kernel keeps at least its causal diagonal)."""
+  _, last = masks.segment_block_ranges(segment_ids.kv, segment_ids.q, row_block=keys, col_block=rows)
+  return ((last + 1) * rows)[..., None]

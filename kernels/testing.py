@@ -53,6 +53,33 @@ def packed_segments(seed, batch, seq):
   return jnp.asarray(np.stack(rows), jnp.int32)
 
 
+def short_documents(seed, batch, seq, mean_len):
+  """Packed rows of many short documents (lengths 1 to 2·mean_len, ids 1, 2, ...) and a padded (id 0) tail."""
+  rng = np.random.default_rng(seed)
+  rows = []
+  for _ in range(batch):
+    lengths = rng.integers(1, 2 * mean_len, size=seq)
+    ids = np.repeat(np.arange(1, seq + 1), lengths)[:seq]
+    ids[seq - rng.integers(1, 40):] = 0
+    rows.append(ids)
+  return jnp.asarray(np.stack(rows), jnp.int32)
+
+
+def documents_left_out(run, ranges: bool, dtype=jnp.float32):
+  """Two documents of 128 tokens, and NaNs that reach a result only through block pairs where the documents do
+  not meet (0 · NaN is NaN, so a loop that visits such a block, even masked, returns NaN there): V of the first
+  document for the second's output and dQ, dO of the second for the first's dK and dV. run(q, k, v, seg, ranges)
+  is the attention call; returns whether each of the four results came out finite."""
+  q, k, v, do = random_inputs(7, 1, 256, 4, 2, 64, dtype)
+  seg = jnp.asarray([[1] * 128 + [2] * 128], jnp.int32)
+  f = lambda q, k, v: run(q, k, v, seg, ranges)
+  out, vjp = jax.vjp(f, q, k, v.at[:, :128].set(jnp.nan))
+  dq = vjp(do)[0]
+  dk, dv = jax.vjp(f, q, k, v)[1](do.at[:, 128:].set(jnp.nan))[1:]
+  return [bool(jnp.isfinite(x.astype(jnp.float32)).all()) for x in (out[:, 128:], dq[:, 128:], dk[:, :128],
+                                                                      dv[:, :128])]
+
+
 FAMILIES = ("sink0", "sinks_many", "outlier_channels", "rope_5e5_wide", "packed_sinks")
 
 

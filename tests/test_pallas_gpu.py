@@ -7,7 +7,7 @@ import pytest
 
 from clis_kernels import reference_f64 as ref
 from attention_base import CASES, CLIS_VS_ONLINE, TOLERANCE, AttentionTests, packed_segments, random_inputs
-from clis_kernels import pallas_gpu
+from clis_kernels import pallas_gpu, testing
 
 
 class TestPallasGpu(AttentionTests):
@@ -41,3 +41,31 @@ def test_fixed_loop_with_its_own_block_k(case):
   assert float(stats.certified_fraction) == 1.0
   assert ref.rel_err(out, want) < TOLERANCE[dtype][0]
   assert ref.rel_err(out, want) <= CLIS_VS_ONLINE * ref.rel_err(online, want)
+
+
+@pytest.mark.parametrize("ranges", [False, True])
+def test_document_ranges_skip_the_blocks_where_documents_do_not_meet(ranges):
+  """BlockSizes(document_ranges=True) visits only the block pairs where packed documents meet: with it the
+  NaNs of testing.documents_left_out stay out of all four results; the full causal loops bring them in."""
+  run = lambda q, k, v, seg, ranges: TestPallasGpu().run(
+      q, k, v, seg, causal=True, block_sizes=dataclasses.replace(TestPallasGpu.block_sizes, document_ranges=ranges))
+  assert testing.documents_left_out(run, ranges) == [ranges] * 4
+
+
+@pytest.mark.parametrize("stabilizer,mean_len", [("online", 6), ("clis", 40)])
+def test_document_ranges_change_nothing(stabilizer, mean_len):
+  """Many short documents, a padded tail, an odd length, GQA: with document_ranges the output and gradients are
+  the full loops' bit for bit (skipped blocks only ever added exact zeros) and match float64."""
+  jnp = jax.numpy
+  q, k, v, do = random_inputs(mean_len, 2, 301, 4, 2, 32, jnp.float32)
+  seg = testing.short_documents(mean_len, 2, 301, mean_len)
+  results = []
+  for ranges in (False, True):
+    bs = dataclasses.replace(TestPallasGpu.block_sizes, document_ranges=ranges)
+    f = lambda q, k, v: TestPallasGpu().run(q, k, v, seg, causal=True, stabilizer=stabilizer, block_sizes=bs)
+    out, vjp = jax.vjp(f, q, k, v)
+    results.append((out, *vjp(do)))
+  for with_ranges, without in zip(*results[::-1]):
+    assert bool((with_ranges == without).all())
+  for i, (got, want) in enumerate(zip(results[1], ref.attention(q, k, v, do, seg, causal=True))):
+    assert ref.rel_err(got, want) < TOLERANCE[jnp.float32][min(i, 1)]  # output, then gradients

@@ -14,7 +14,7 @@ import pytest
 
 from clis_kernels import reference_f64 as ref
 from attention_base import CLIS_VS_ONLINE, TOLERANCE, AttentionTests, lower_for_h200, packed_segments, random_inputs
-from clis_kernels import attention, pallas_gpu, pallas_mgpu, pallas_mgpu_vjp, plan
+from clis_kernels import attention, pallas_gpu, pallas_mgpu, pallas_mgpu_vjp, plan, testing
 from clis_kernels.plan import HOPPER
 
 ON_GPU = jax.devices()[0].platform == "gpu"
@@ -353,18 +353,6 @@ def test_tensor_core_sum_matches_float64_on_gpu(case):
   tests.check_case((name, batch, seq, hq, hkv, d, jnp.bfloat16, causal, packed))
 
 
-def short_documents(seed, batch, seq, mean_len):
-  """Packed rows of many short documents (lengths 1 to 2·mean_len, ids 1, 2, ...) and a padded (id 0) tail."""
-  rng = np.random.default_rng(seed)
-  rows = []
-  for _ in range(batch):
-    lengths = rng.integers(1, 2 * mean_len, size=seq)
-    ids = np.repeat(np.arange(1, seq + 1), lengths)[:seq]
-    ids[seq - rng.integers(1, 40):] = 0
-    rows.append(ids)
-  return jnp.asarray(np.stack(rows), jnp.int32)
-
-
 @pytest.mark.parametrize("seed", range(6))
 def test_segment_block_ranges_hold_every_visible_pair(seed):
   """masks.segment_block_ranges: every block pair with a visible (same-id, non-padding) pair lies inside
@@ -373,7 +361,7 @@ def test_segment_block_ranges_hold_every_visible_pair(seed):
   from clis_kernels import masks
   rng = np.random.default_rng(seed)
   seq, rows, cols = 512, 128, 64
-  ids = np.asarray(short_documents(seed, 2, seq, mean_len=[8, 40, 150][seed % 3]))
+  ids = np.asarray(testing.short_documents(seed, 2, seq, mean_len=[8, 40, 150][seed % 3]))
   if seed >= 3:  # arbitrary ids: not contiguous, not sorted
     ids = np.where(ids > 0, rng.integers(1, 9, size=ids.shape), 0)
   first, last = (np.asarray(x) for x in masks.segment_block_ranges(jnp.asarray(ids), jnp.asarray(ids),
@@ -414,7 +402,7 @@ def test_document_ranges_change_nothing_on_gpu(stabilizer, d, mean_len):
   documents, a padded tail, an odd length, GQA."""
   seq = 2000
   q, k, v, do = random_inputs(d + mean_len, 2, seq, 8, 2, d, jnp.bfloat16)
-  seg = short_documents(mean_len, 2, seq, mean_len)
+  seg = testing.short_documents(mean_len, 2, seq, mean_len)
   results = {}
   for ranges in (False, True):
     for fused in (False, True):
@@ -429,3 +417,16 @@ def test_document_ranges_change_nothing_on_gpu(stabilizer, d, mean_len):
   want = ref.attention(q, k, v, do, seg, causal=True)
   for got, full, exact in zip(results[True, True], results[False, True], want):
     assert ref.rel_err(got, exact) <= CLIS_VS_ONLINE * max(ref.rel_err(full, exact), 1e-3)
+
+
+@needs_gpu
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("ranges", [False, True])
+def test_document_ranges_skip_the_blocks_where_documents_do_not_meet_on_gpu(ranges, fused):
+  """With document_ranges the NaNs of testing.documents_left_out stay out of the second document's output and
+  dQ and of the first's dK and dV (forward, two-kernel and fused backward): the blocks are skipped, not masked."""
+  run = lambda q, k, v, seg, ranges: attention(
+      q, k, v, seg, causal=True, implementation="pallas_mgpu",
+      block_sizes=pallas_mgpu.BlockSizes(document_ranges=ranges),
+      backward_block_sizes=pallas_mgpu_vjp.BlockSizes(document_ranges=ranges, fused_dq=fused))
+  assert testing.documents_left_out(run, ranges, jnp.bfloat16) == [ranges] * 4
