@@ -27,7 +27,9 @@ from clis_kernels.stabilizer import EMPTY_LSE, LOG2E, NEG, Certificate, empty_ro
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """Forward tiles (block_q, block_k) and backward tiles; multiples of 128 on a real TPU."""
+  """Forward tiles (block_q, block_k) and backward tiles; multiples of 128 on a real TPU.
+  document_ranges: causal packed calls neither fetch nor compute the block pairs where no documents meet
+  (masks.segment_block_ranges, scalar-prefetched; splash attention masks them instead). Not timed on a TPU."""
 
   block_q: int = 512
   block_k: int = 512
@@ -35,11 +37,12 @@ class BlockSizes:
   block_k_dq: int = 512
   block_q_dkv: int = 512
   block_k_dkv: int = 512
+  document_ranges: bool = False
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
       value = getattr(self, field.name)
-      if value < 8 or value & (value - 1):
+      if field.name.startswith("block") and (value < 8 or value & (value - 1)):
         raise ValueError(f"{field.name}={value} must be a power of two >= 8 (128 or more on a real TPU)")
 
   @property
@@ -48,7 +51,7 @@ class BlockSizes:
 
   @property
   def multiple(self) -> int:
-    return max(getattr(self, f.name) for f in dataclasses.fields(self))
+    return max(getattr(self, f.name) for f in dataclasses.fields(self) if f.name.startswith("block"))
 
   @property
   def skip_tiles(self) -> tuple[int, int]:
@@ -131,6 +134,13 @@ def last_visible_kv_block(q_block, *, causal, kv_len, block_q, block_k, num_kv_b
   return last
 
 
+def first_kv_blocks(segment_ids, *, block_q: int, block_k: int):
+  """document_ranges: [B · S/block_q] int32, per q block the first kv block with a key of its rows' documents (at
+  most the q block's first masked one), flat for scalar prefetch."""
+  first, _ = masks.segment_block_ranges(segment_ids.q, segment_ids.kv, row_block=block_q, col_block=block_k)
+  return jnp.minimum(first, jnp.arange(first.shape[1], dtype=jnp.int32) * block_q // block_k).reshape(-1)
+
+
 def block_mask(q_block, kv_block, qseg_ref, kseg_ref, *, causal, kv_len, block_q, block_k, window=None):
   """[block_q, block_k] visibility from the shared mask rule (masks.visible)."""
   q_seg = None if qseg_ref is None else qseg_ref[:, 0]
@@ -169,7 +179,8 @@ def finish(acc_scr, m_scr, l_scr, o_ref, lse_ref):
 
 
 def _fwd_kernel(cert_ref, *refs, has_segments, fixed_mode, causal, sigma2, block_q, block_k, kv_len,
-                num_q_blocks, num_kv_blocks, num_heads, precision, window, cap2):
+                num_q_blocks, num_kv_blocks, num_heads, precision, window, cap2, doc_ranges=False):
+  first_ref, refs = (refs[0], refs[1:]) if doc_ranges else (None, refs)
   q_ref, k_ref, v_ref = refs[:3]
   qseg_ref, kseg_ref = refs[3:5] if has_segments else (None, None)
   m_in_ref, o_ref, lse_ref, acc_scr, m_scr, l_scr = refs[-6:]
@@ -195,6 +206,8 @@ def _fwd_kernel(cert_ref, *refs, has_segments, fixed_mode, causal, sigma2, block
     tile_update(s, v_ref[...], m_scr, l_scr, acc_scr, fixed=fixed, precision=precision)
 
   runs, needs_mask = block_flags(i, j, has_segments=has_segments, block_q=block_q, block_k=block_k, **rule)
+  if doc_ranges:  # blocks before the rows' documents' first key hold none of their keys
+    runs = runs & (j >= first_ref[b * num_q_blocks + i])
   for masked in mask_branches(has_segments=has_segments, **rule):
     for fixed in ((False, True) if fixed_mode else (False,)):
       cond = runs & (needs_mask if masked else ~needs_mask) & (certified if fixed else ~certified)
@@ -235,9 +248,15 @@ def forward(q, k, v, segment_ids, stab: Certificate | None, *, mode: Mode, causa
 
   last_kv = functools.partial(last_visible_kv_block, causal=causal, kv_len=kv_len, block_q=bq, block_k=bk,
                               num_kv_blocks=nk)
+  doc_ranges = block_sizes.document_ranges and causal and segment_ids is not None and window is None
+  prefetch = [cert_flat]
+  kv_block = lambda b, i, j, *refs: jnp.minimum(j, last_kv(i))  # steps outside the range repeat a block: no DMA
+  if doc_ranges:
+    prefetch.append(first_kv_blocks(segment_ids, block_q=bq, block_k=bk))
+    kv_block = lambda b, i, j, c, first: jnp.minimum(jnp.maximum(j, first[b * nq + i]), last_kv(i))
 
-  kv_index = lambda b, h, i, j, c: (b, h // group, jnp.minimum(j, last_kv(i)), 0)
-  q_index = lambda b, h, i, j, c: (b, h, i, 0)
+  kv_index = lambda b, h, i, j, *refs: (b, h // group, kv_block(b, i, j, *refs), 0)
+  q_index = lambda b, h, i, j, *refs: (b, h, i, 0)
   in_specs = [
       pl.BlockSpec((None, None, bq, head_dim), q_index),
       pl.BlockSpec((None, None, bk, head_dim), kv_index),
@@ -245,8 +264,8 @@ def forward(q, k, v, segment_ids, stab: Certificate | None, *, mode: Mode, causa
   ]
   args = [to_head_major(q), to_head_major(k), to_head_major(v)]
   if segment_ids is not None:
-    in_specs += [pl.BlockSpec((None, bq, 1), lambda b, h, i, j, c: (b, i, 0)),
-                 pl.BlockSpec((None, 1, bk), lambda b, h, i, j, c: (b, 0, jnp.minimum(j, last_kv(i))))]
+    in_specs += [pl.BlockSpec((None, bq, 1), lambda b, h, i, j, *refs: (b, i, 0)),
+                 pl.BlockSpec((None, 1, bk), lambda b, h, i, j, *refs: (b, 0, kv_block(b, i, j, *refs)))]
     args += list(segment_operands(segment_ids))
   in_specs.append(pl.BlockSpec((None, None, bq, 1), q_index))
   args.append(m_in)
@@ -254,11 +273,11 @@ def forward(q, k, v, segment_ids, stab: Certificate | None, *, mode: Mode, causa
       _fwd_kernel, has_segments=segment_ids is not None, fixed_mode=fixed_mode, causal=causal,
       sigma2=scale * LOG2E, block_q=bq, block_k=bk, kv_len=kv_len, num_q_blocks=nq, num_kv_blocks=nk,
       num_heads=num_heads, precision=dot_precision(q.dtype), window=window,
-      cap2=None if softcap is None else softcap * LOG2E)
+      cap2=None if softcap is None else softcap * LOG2E, doc_ranges=doc_ranges)
   o, lse = pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=1,
+          num_scalar_prefetch=len(prefetch),
           grid=(batch, num_heads, nq, nk),
           in_specs=in_specs,
           out_specs=[pl.BlockSpec((None, None, bq, head_dim), q_index), pl.BlockSpec((None, None, bq, 1), q_index)],
@@ -268,5 +287,5 @@ def forward(q, k, v, segment_ids, stab: Certificate | None, *, mode: Mode, causa
       compiler_params=compiler_params(("parallel", "parallel", "parallel", "arbitrary"), interpret),
       interpret=interpret_mode(interpret),
       name="clis_fwd_tpu" if fixed_mode else "online_fwd_tpu",
-  )(cert_flat, *args)
+  )(*prefetch, *args)
   return to_head_major(o), lse[..., 0], None if cert is None else cert.certified

@@ -16,10 +16,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from clis_kernels import masks
 from clis_kernels.common import dot_precision, out_struct
-from clis_kernels.pallas_tpu import (BlockSizes, block_flags, block_mask, compiler_params, interpret_mode,
-                                     last_visible_kv_block, mask_branches, nn_dot, nt_dot, segment_operands, tn_dot,
-                                     to_head_major)
+from clis_kernels.pallas_tpu import (BlockSizes, block_flags, block_mask, compiler_params, first_kv_blocks,
+                                     interpret_mode, last_visible_kv_block, mask_branches, nn_dot, nt_dot,
+                                     segment_operands, tn_dot, to_head_major)
 from clis_kernels.stabilizer import LOG2E, NEG, soft_cap
 
 
@@ -37,7 +38,8 @@ def _grads_of_block(q, k, v, do, lse, delta, mask, *, sigma2, precision, cap2):
 
 
 def _dq_kernel(*refs, has_segments, causal, sigma2, scale, block_q, block_k, kv_len, num_kv_blocks, precision,
-               window, cap2):
+               window, cap2, num_q_blocks=0, doc_ranges=False):
+  first_ref, refs = (refs[0], refs[1:]) if doc_ranges else (None, refs)
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
   qseg_ref, kseg_ref = refs[6:8] if has_segments else (None, None)
   dq_ref, dq_scr = refs[-2:]
@@ -56,6 +58,8 @@ def _dq_kernel(*refs, has_segments, causal, sigma2, scale, block_q, block_k, kv_
 
   runs, needs_mask = block_flags(i, j, causal=causal, has_segments=has_segments, kv_len=kv_len,
                                  block_q=block_q, block_k=block_k, window=window)
+  if doc_ranges:  # kv blocks before the rows' documents' first key
+    runs = runs & (j >= first_ref[pl.program_id(0) * num_q_blocks + i])
   for masked in mask_branches(causal=causal, has_segments=has_segments, kv_len=kv_len, window=window):
     pl.when(runs & (needs_mask if masked else ~needs_mask))(functools.partial(update, masked))
 
@@ -65,7 +69,8 @@ def _dq_kernel(*refs, has_segments, causal, sigma2, scale, block_q, block_k, kv_
 
 
 def _dkv_kernel(*refs, has_segments, causal, sigma2, scale, block_q, block_k, kv_len, group,
-                num_q_blocks, precision, window, cap2):
+                num_q_blocks, precision, window, cap2, num_kv_blocks=0, doc_ranges=False):
+  last_ref, refs = (refs[0], refs[1:]) if doc_ranges else (None, refs)
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
   qseg_ref, kseg_ref = refs[6:8] if has_segments else (None, None)
   dk_ref, dv_ref, dk_scr, dv_scr = refs[-4:]
@@ -87,6 +92,8 @@ def _dkv_kernel(*refs, has_segments, causal, sigma2, scale, block_q, block_k, kv
 
   runs, needs_mask = block_flags(i, j, causal=causal, has_segments=has_segments, kv_len=kv_len,
                                  block_q=block_q, block_k=block_k, window=window)
+  if doc_ranges:  # q blocks after the keys' documents' last query
+    runs = runs & (i <= last_ref[pl.program_id(0) * num_kv_blocks + j])
   for masked in mask_branches(causal=causal, has_segments=has_segments, kv_len=kv_len, window=window):
     pl.when(runs & (needs_mask if masked else ~needs_mask))(functools.partial(update, masked))
 
@@ -116,8 +123,14 @@ def backward(q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_s
   nq, nk = seq // bq, kv_seq // bk
   last_kv = functools.partial(last_visible_kv_block, causal=causal, kv_len=kv_len, block_q=bq, block_k=bk,
                               num_kv_blocks=nk)
-  kv_index = lambda b, h, i, j: (b, h // group, jnp.minimum(j, last_kv(i)), 0)
-  row_index = lambda b, h, i, j: (b, h, i, 0)
+  doc_ranges = block_sizes.document_ranges and causal and has_seg and window is None
+  kv_block = lambda b, i, j, *refs: jnp.minimum(j, last_kv(i))  # steps outside the range repeat a block: no DMA
+  prefetch = []
+  if doc_ranges:
+    prefetch = [first_kv_blocks(segment_ids, block_q=bq, block_k=bk)]
+    kv_block = lambda b, i, j, first: jnp.minimum(jnp.maximum(j, first[b * nq + i]), last_kv(i))
+  kv_index = lambda b, h, i, j, *refs: (b, h // group, kv_block(b, i, j, *refs), 0)
+  row_index = lambda b, h, i, j, *refs: (b, h, i, 0)
   in_specs = [pl.BlockSpec((None, None, bq, head_dim), row_index),
               pl.BlockSpec((None, None, bk, head_dim), kv_index),
               pl.BlockSpec((None, None, bk, head_dim), kv_index),
@@ -125,25 +138,30 @@ def backward(q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_s
               pl.BlockSpec((None, None, bq, 1), row_index),
               pl.BlockSpec((None, None, bq, 1), row_index)]
   if has_seg:
-    in_specs += [pl.BlockSpec((None, bq, 1), lambda b, h, i, j: (b, i, 0)),
-                 pl.BlockSpec((None, 1, bk), lambda b, h, i, j: (b, 0, jnp.minimum(j, last_kv(i))))]
+    in_specs += [pl.BlockSpec((None, bq, 1), lambda b, h, i, j, *refs: (b, i, 0)),
+                 pl.BlockSpec((None, 1, bk), lambda b, h, i, j, *refs: (b, 0, kv_block(b, i, j, *refs)))]
   dq = pl.pallas_call(
-      functools.partial(_dq_kernel, block_q=bq, block_k=bk, num_kv_blocks=nk, **common),
-      grid=(batch, num_heads, nq, nk),
-      in_specs=in_specs,
-      out_specs=pl.BlockSpec((None, None, bq, head_dim), row_index),
+      functools.partial(_dq_kernel, block_q=bq, block_k=bk, num_kv_blocks=nk, num_q_blocks=nq,
+                        doc_ranges=doc_ranges, **common),
       out_shape=out_struct(qh.shape, q.dtype, q),
-      scratch_shapes=[pltpu.VMEM((bq, head_dim), jnp.float32)],
       compiler_params=compiler_params(("parallel", "parallel", "parallel", "arbitrary"), interpret),
       interpret=interp, name="clis_bwd_dq_tpu",
-  )(qh, kh, vh, doh, lse, delta, *seg_args)
+      **_grid(prefetch, grid=(batch, num_heads, nq, nk), in_specs=in_specs,
+              out_specs=pl.BlockSpec((None, None, bq, head_dim), row_index),
+              scratch_shapes=[pltpu.VMEM((bq, head_dim), jnp.float32)]),
+  )(*prefetch, qh, kh, vh, doh, lse, delta, *seg_args)
 
   # dK/dV: (group head, q block) reduce on the minor axes; causal skips q blocks above the diagonal.
   bq, bk = block_sizes.block_q_dkv, block_sizes.block_k_dkv
   nq, nk = seq // bq, kv_seq // bk
   first_q = (lambda j: (j * bk) // bq) if causal else (lambda j: 0)
-  q_index = lambda b, h, j, g, i: (b, h * group + g, jnp.maximum(i, first_q(j)), 0)
-  kv_index = lambda b, h, j, g, i: (b, h, j, 0)
+  q_block = lambda b, j, i, *refs: jnp.maximum(i, first_q(j))  # steps outside the range repeat a block: no DMA
+  prefetch = []
+  if doc_ranges:
+    prefetch = [_last_q_blocks(segment_ids, block_q=bq, block_k=bk)]
+    q_block = lambda b, j, i, last: jnp.minimum(jnp.maximum(i, first_q(j)), last[b * nk + j])
+  q_index = lambda b, h, j, g, i, *refs: (b, h * group + g, q_block(b, j, i, *refs), 0)
+  kv_index = lambda b, h, j, g, i, *refs: (b, h, j, 0)
   in_specs = [pl.BlockSpec((None, None, bq, head_dim), q_index),
               pl.BlockSpec((None, None, bk, head_dim), kv_index),
               pl.BlockSpec((None, None, bk, head_dim), kv_index),
@@ -151,17 +169,31 @@ def backward(q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_s
               pl.BlockSpec((None, None, bq, 1), q_index),
               pl.BlockSpec((None, None, bq, 1), q_index)]
   if has_seg:
-    in_specs += [pl.BlockSpec((None, bq, 1), lambda b, h, j, g, i: (b, jnp.maximum(i, first_q(j)), 0)),
-                 pl.BlockSpec((None, 1, bk), lambda b, h, j, g, i: (b, 0, j))]
+    in_specs += [pl.BlockSpec((None, bq, 1), lambda b, h, j, g, i, *refs: (b, q_block(b, j, i, *refs), 0)),
+                 pl.BlockSpec((None, 1, bk), lambda b, h, j, g, i, *refs: (b, 0, j))]
   dk, dv = pl.pallas_call(
-      functools.partial(_dkv_kernel, block_q=bq, block_k=bk, group=group, num_q_blocks=nq,
-                        **common),
-      grid=(batch, num_kv_heads, nk, group, nq),
-      in_specs=in_specs,
-      out_specs=[pl.BlockSpec((None, None, bk, head_dim), kv_index)] * 2,
+      functools.partial(_dkv_kernel, block_q=bq, block_k=bk, group=group, num_q_blocks=nq, num_kv_blocks=nk,
+                        doc_ranges=doc_ranges, **common),
       out_shape=[out_struct(kh.shape, k.dtype, q), out_struct(vh.shape, v.dtype, q)],
-      scratch_shapes=[pltpu.VMEM((bk, head_dim), jnp.float32), pltpu.VMEM((bk, head_dim), jnp.float32)],
       compiler_params=compiler_params(("parallel", "parallel", "parallel", "arbitrary", "arbitrary"), interpret),
       interpret=interp, name="clis_bwd_dkv_tpu",
-  )(qh, kh, vh, doh, lse, delta, *seg_args)
+      **_grid(prefetch, grid=(batch, num_kv_heads, nk, group, nq), in_specs=in_specs,
+              out_specs=[pl.BlockSpec((None, None, bk, head_dim), kv_index)] * 2,
+              scratch_shapes=[pltpu.VMEM((bk, head_dim), jnp.float32), pltpu.VMEM((bk, head_dim), jnp.float32)]),
+  )(*prefetch, qh, kh, vh, doh, lse, delta, *seg_args)
   return to_head_major(dq), to_head_major(dk), to_head_major(dv)
+
+
+def _grid(prefetch, **spec):
+  """pallas_call's grid arguments: plain, or a PrefetchScalarGridSpec when range tables are prefetched."""
+  if not prefetch:
+    return spec
+  return dict(grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=len(prefetch), **spec))
+
+
+def _last_q_blocks(segment_ids, *, block_q: int, block_k: int):
+  """document_ranges: [B · Sk/block_k] int32, per kv block the last q block with a query of its keys' documents (at
+  least the kv block's first causal q block), flat for scalar prefetch."""
+  _, last = masks.segment_block_ranges(segment_ids.kv, segment_ids.q, row_block=block_k, col_block=block_q)
+  first_causal = jnp.arange(last.shape[1], dtype=jnp.int32) * block_k // block_q
+  return jnp.maximum(last, first_causal).reshape(-1)
