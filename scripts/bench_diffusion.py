@@ -7,7 +7,8 @@ comparable). Records per step: latency (a second, warm run of the sampler),
 the self-attention time of all layers (each layer's attention timed alone on the step's skip
 state, variants interleaved), and the fraction of tiles skipped; per variant: PSNR and SSIM of
 the final videos against the dense XLA sample from the same noise (run first; without xla, the
-first variant's). The JSON records are rewritten after every variant, so a run cut short keeps what
+first variant's), and for skip variants against their unskipped twin (the same skip path and step programs,
+thr −1e4, which marks nothing): what skipping alone moved, apart from any kernel's rounding. The JSON records are rewritten after every variant, so a run cut short keeps what
 it measured; at the end come a markdown table, a PNG plot of sparsity and attention time per step, and an image strip of
 dense and accelerated samples (same stem).
 
@@ -104,6 +105,9 @@ def plot_steps(records, path: pathlib.Path):
   benchmarking.save_figure(fig, path, records[0])
 
 
+UNSKIPPED_THR = -1e4  # marks nothing (no tile's bound is that low), yet runs the marking step programs
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--weights", default="examples/video_dit/weights.safetensors")
@@ -141,7 +145,8 @@ def main():
                          6 + (jnp.arange(args.batch) // 2) % 4], -1).astype(jnp.int32)
   variants = []
   for impl in args.impls:
-    if impl.endswith("_skip"):
+    if impl.endswith("_skip"):  # first its unskipped twin: the same step programs (marking on), no tile marked
+      variants.append((impl, (UNSKIPPED_THR, UNSKIPPED_THR)))
       variants += [(impl, tuple(float(x) for x in sched.split(":"))) for sched in args.schedules]
       variants += [(impl, ("cal", target)) for target in args.calibrate]
     else:
@@ -177,8 +182,11 @@ def main():
                         attention_ms=float(np.sum(att)), mean_sparsity=float(np.mean([s["sparsity"] for s in per_step])),
                         **meta))
     records[-1]["psnr_db"], records[-1]["ssim"] = quality(video, next(iter(videos.values())))
-    if impl.endswith("_skip") and impl.removesuffix("_skip") in videos:  # what skipping alone moved
+    if impl.endswith("_skip") and impl.removesuffix("_skip") in videos:
       records[-1]["psnr_vs_dense_same_kernel_db"] = quality(video, videos[impl.removesuffix("_skip")])[0]
+    twin = f"{impl}[{UNSKIPPED_THR:g}:{UNSKIPPED_THR:g}]"
+    if impl.endswith("_skip") and label != twin and twin in videos:  # what skipping alone moved
+      records[-1]["psnr_vs_unskipped_db"], records[-1]["ssim_vs_unskipped"] = quality(video, videos[twin])
     out.write_text(json.dumps(records, indent=1))  # after every variant: a run cut short keeps what it measured
     print(f"{label}: median step {records[-1]['step_ms']:.2f} ms, attention {records[-1]['attention_ms']:.2f} ms "
           f"over {args.steps} steps, mean sparsity {records[-1]['mean_sparsity']:.3f}, "

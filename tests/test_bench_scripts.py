@@ -52,9 +52,14 @@ def test_bench_diffusion_quick(tmp_path):
   out = tmp_path / "diffusion.json"
   _run("scripts/bench_diffusion.py", "--quick", "--out", str(out))
   records = json.loads(out.read_text())
-  assert {r["impl"] for r in records} == {"xla", "clis", "clis_skip[-6:-2]", "clis_skip[cal 0.01]"}
+  assert {r["impl"] for r in records} == {"xla", "clis", "clis_skip[-10000:-10000]", "clis_skip[-6:-2]",
+                                          "clis_skip[cal 0.01]"}
   calibrated = next(r for r in records if r["impl"] == "clis_skip[cal 0.01]")
   assert all(len(s["layer_thrs"]) == 2 for s in calibrated["per_step"][1:])  # one thr per layer per step
+  assert all(len(s["layer_sparsity"]) == 2 for s in calibrated["per_step"])  # and a sparsity per layer
+  twin = next(r for r in records if r["impl"] == "clis_skip[-10000:-10000]")
+  assert twin["mean_sparsity"] == 0 and "psnr_vs_unskipped_db" not in twin  # the twin marks nothing
+  assert all("psnr_vs_unskipped_db" in r for r in records if r["impl"].startswith("clis_skip[-6"))
   for r in records:
     assert {"step_ms", "attention_ms", "mean_sparsity", "psnr_db", "ssim", "per_step", "device", "date"} <= set(r)
     assert len(r["per_step"]) == r["steps"] and all(s["attention_ms"] > 0 for s in r["per_step"])

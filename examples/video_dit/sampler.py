@@ -82,7 +82,7 @@ def _step_fn(cfg: DiTConfig, name: str, track: bool):
 def sample(params, cfg: DiTConfig, noise, condition, *, attention: str, steps: int = 20, dense_steps: int = 4,
            thr_early: float = -14.0, thr_late: float = -8.0, calibrate: float | None = None, timing: bool = False,
            keep_states: bool = False):
-  """Euler from t=1 (noise) to t=0. Returns (video, per-step records: t, thr, sparsity, ms, and
+  """Euler from t=1 (noise) to t=0. Returns (video, per-step records: t, thr, sparsity (and per layer), ms, and
   the skip states each step ran with (a list per step; None entries without skipping) when
   keep_states, else the final states). calibrate: instead of the thr schedule, each layer bisects
   its thr to this relative L1 error at every step after the dense ones (eager steps, slower)."""
@@ -108,9 +108,10 @@ def sample(params, cfg: DiTConfig, noise, condition, *, attention: str, steps: i
     x, states, aux = fn(*args)
     x = jax.block_until_ready(x)
     ms = (time.perf_counter() - t0) * 1e3
-    sparsity = float(jnp.mean(jnp.stack(aux))) if skip else 0.0
+    layer_sparsity = [float(a) for a in aux] if skip else None
+    sparsity = float(jnp.mean(jnp.asarray(layer_sparsity))) if skip else 0.0
     if layer_thrs:  # calibrated: the loosest layer's thr stands for the step (it decides whether marks are made)
       thr = max(layer_thrs)
     records.append(dict(step=i, t=float(ts[i]), thr=thr, layer_thrs=layer_thrs or None, sparsity=sparsity,
-                        ms=ms if timing else None))
+                        layer_sparsity=layer_sparsity, ms=ms if timing else None))
   return x, records, (history if keep_states else states)

@@ -4,6 +4,7 @@
 #   A: GPU tests of document ranges (bit-identical to the full causal loops) and of the skip kernel with nothing
 #      skipped (bit-identical to the dense kernel); packed-document timings at the 1B shape and at D 128.
 #   B: the 1B trainer with clis / tokamax / cuDNN on packed documents.
+#   C: the example DiT, PSNR of each skip schedule against its unskipped twin, sparsity per layer.
 source notes/experiments/device_env.sh
 source notes/experiments/maxtext_wheels.sh
 GPU_TEST="env JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_MEM_FRACTION=0.15 python3 -m pytest -q -n 6 -m gpu -p no:cacheprovider -rf"
@@ -22,7 +23,12 @@ case "$1" in
     TAIL=15 step train 330 python3 scripts/bench_train.py recipes/cpt.yaml run_dir=/tmp/bt data.seq_len=8192 \
         data.per_device_batch=1 --attentions clis tokamax cudnn --warmup 1 --steps 8 --out "$OUT/train_1b_docs.json"
     ;;
-  *) echo "usage: session13_h200.sh A|B"; exit 2 ;;
+  C)  # the example DiT: each skip schedule against its unskipped twin (same step programs, nothing marked)
+    TAIL=12 step diffusion 400 python3 scripts/bench_diffusion.py --weights examples/video_dit/weights.safetensors \
+        --impls xla cudnn clis clis_skip --schedules " -14:-8" " -10:-4" --calibrate --repeats 2 --inner 2 \
+        --out "$OUT/diffusion.json"
+    ;;
+  *) echo "usage: session13_h200.sh A|B|C"; exit 2 ;;
 esac
 # At most 8 files come back from $OUT: everything goes back as one archive.
 (cd "$OUT" && tar czf all.tgz --remove-files -- *)
