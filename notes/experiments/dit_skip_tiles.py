@@ -1,9 +1,11 @@
 """Does the skip tile's size explain the example DiT's quality with skipping? The trained example DiT sampled on
 the CPU with the reference skip forward at 64 x 64 and 128 x 128 tiles (the Triton kernel's and the Mosaic GPU
 kernel's), each thr schedule, PSNR/SSIM against the dense XLA sample from the same noise (bench_diffusion's),
-and the dense kernels' own PSNR against it (the floor that kernel rounding alone sets).
+and the dense kernels' own PSNR against it (the floor that kernel rounding alone sets); with --twin, each
+schedule also against the same skip path with nothing marked.
 
   python notes/experiments/dit_skip_tiles.py --out notes/experiments/dit_skip_tiles.json
+  python notes/experiments/dit_skip_tiles.py --tiles 128 --statistic exact --dense --twin --out twin.json
 """
 
 import argparse
@@ -58,8 +60,13 @@ def main():
   p.add_argument("--dense", nargs="*", default=["clis"], help="dense backends to sample as the quality floor")
   p.add_argument("--statistic", choices=["bound", "exact"], default="bound",
                  help="the reference's marking statistic (bound: gap − log2_l; exact: as the Mosaic GPU kernel)")
+  p.add_argument("--twin", action="store_true",
+                 help="first sample each tile's unskipped twin (thr -1e4: the same step programs, nothing marked) and "
+                      "give every schedule's PSNR against it")
   p.add_argument("--out", required=True)
   args = p.parse_args()
+  if args.twin:
+    args.schedules = ["-10000:-10000"] + args.schedules
   params, cfg = train.load(args.weights)
   if args.statistic == "exact":
     tile_lists.reference_forward = exact_reference_forward  # plan.py loads the skip forward by name
@@ -78,6 +85,7 @@ def main():
   for tile in args.tiles:
     sampler.skip_plan = functools.lru_cache(maxsize=None)(functools.partial(with_tiles, tile=tile))
     sampler._step_fn.cache_clear()
+    twin = None
     for sched in args.schedules:
       early, late = (float(x) for x in sched.split(":"))
       t0 = time.perf_counter()
@@ -88,6 +96,10 @@ def main():
                           psnr_vs_dense_db={n: quality(video, d)[0] for n, d in dense_samples.items()},
                           mean_sparsity=float(np.mean([s["sparsity"] for s in per_step])),
                           last_sparsity=per_step[-1]["sparsity"], seconds=time.perf_counter() - t0))
+      if args.twin and twin is None:
+        twin = video
+      elif args.twin:
+        records[-1]["psnr_vs_twin_db"], records[-1]["ssim_vs_twin"] = quality(video, twin)
       print(records[-1], flush=True)
       pathlib.Path(args.out).write_text(json.dumps(dict(records=records, batch=args.batch, device="cpu"), indent=1))
 
