@@ -67,3 +67,19 @@ def stream_kv(k_ref, v_ref, kseg_ref, k_smem, v_smem, kseg_smem, k_ready, v_read
       plgpu.copy_gmem_to_smem(kseg_ref.at[batch, keys], kseg_smem.at[slot], kseg_ready.at[slot])
 
   stream_blocks(load, num_blocks=num_blocks, slots=slots, free=free)
+
+
+RANGE_WIDTH = 16  # a CTA's loop bound (document ranges) travels as one 64-byte TMA row, the bound in entry 0
+
+
+def range_scratch() -> tuple:
+  """Shared memory and barrier for a CTA's range row (read_range_entry)."""
+  return plgpu.SMEM((RANGE_WIDTH,), jnp.int32), plgpu.Barrier(num_barriers=1)
+
+
+def read_range_entry(row_ref, range_smem, range_ready):
+  """Entry 0 of a CTA's range row in HBM: the memory warpgroup loads it, every warpgroup reads it."""
+  pl.when(lax.axis_index("wg") == COMPUTE_WARPGROUPS)(
+      lambda: plgpu.copy_gmem_to_smem(row_ref, range_smem, range_ready.at[0]))
+  plgpu.barrier_wait(range_ready.at[0])
+  return range_smem[0]

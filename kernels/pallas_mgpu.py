@@ -40,7 +40,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from clis_kernels import masks
-from clis_kernels.mgpu_pipeline import COMPUTE_WARPGROUPS, cta_first_row, kv_blocks, stream_kv, swizzled
+from clis_kernels.mgpu_pipeline import (COMPUTE_WARPGROUPS, RANGE_WIDTH, cta_first_row, kv_blocks, range_scratch,
+                                        read_range_entry, stream_kv, swizzled)
 from clis_kernels.common import int32_loop, out_struct
 from clis_kernels.plan import Mode, stabilizer_inputs
 from clis_kernels.stabilizer import EMPTY_LSE, LOG2E, Certificate, KeyBounds, row_bounds, stabilize
@@ -50,7 +51,6 @@ DTYPES = (jnp.bfloat16, jnp.float16)
 FAILED_TILE_M = 1e30  # M sent for rows of a tile the XLA certificate failed (real M are far smaller)
 ONLINE_FLOOR = -1e20  # the online loop's starting max (base 2): below any real logit
 LIST_COLUMNS = 128  # a kept-tile list lies in rows of this many entries (one TMA box holds <= 256 per dimension)
-RANGE_WIDTH = 16  # a CTA's first KV block (doc_ranges) travels as one 64-byte TMA row, the block in entry 0
 SUM_COLUMNS = 16  # columns of the ones tile the tensor-core sum multiplies by (32-byte rows: wgmma's least swizzle)
 
 
@@ -292,8 +292,7 @@ def _scratch(c: _Config, dtype, head_dim: int):
   if c.has_segments:
     segs = _SegScratch(plgpu.SMEM((wgs, bq), jnp.int32), plgpu.SMEM((c.slots, bkv), jnp.int32),
                        plgpu.Barrier(num_barriers=wgs), plgpu.Barrier(num_barriers=c.slots),
-                       *((plgpu.SMEM((RANGE_WIDTH,), jnp.int32), plgpu.Barrier(num_barriers=1)) if c.doc_ranges
-                         else ()))
+                       *(range_scratch() if c.doc_ranges else ()))
   lists = None
   if c.listed:
     lists = _ListScratch(plgpu.SMEM(_list_shape(c.list_width), jnp.int32), plgpu.Barrier(num_barriers=1),
@@ -347,7 +346,8 @@ def _kernel(q_ref, k_ref, v_ref, *refs, config: _Config):
       block_of = functools.partial(_list_entry, c, ls)
     first = 0
     if c.doc_ranges:  # the loops count steps from the CTA's first block (its documents' first key)
-      first = _first_block(c, g, ss, batch, cta_row0)
+      tile = lax.div(cta_row0, jnp.int32(COMPUTE_WARPGROUPS * c.block_q))
+      first = read_range_entry(g.first.at[batch, tile], ss.first, ss.first_ready)
       blocks, block_of = cta_blocks - first, lambda i: first + i
     elif not c.listed:
       blocks, block_of = cta_blocks, lambda i: i
@@ -366,16 +366,6 @@ def _kernel(q_ref, k_ref, v_ref, *refs, config: _Config):
                 num_blocks=blocks, slots=c.slots, free=(s.k_free, s.v_free), block_of=block_of)
 
   pl.run_scoped(body, *_scratch(c, dtype, head_dim), collective_axes="wg")
-
-
-def _first_block(c: _Config, g: _Refs, ss: _SegScratch, batch, cta_row0):
-  """doc_ranges: the CTA's first KV block, loaded by the memory warpgroup, read by every warpgroup."""
-  wg = lax.axis_index("wg")
-  tile = lax.div(cta_row0, jnp.int32(COMPUTE_WARPGROUPS * c.block_q))
-  pl.when(wg == COMPUTE_WARPGROUPS)(lambda: plgpu.copy_gmem_to_smem(g.first.at[batch, tile], ss.first,
-                                                                     ss.first_ready.at[0]))
-  plgpu.barrier_wait(ss.first_ready.at[0])
-  return ss.first[0]
 
 
 def _kv_range(c: _Config, g: _Refs, row0, rows):

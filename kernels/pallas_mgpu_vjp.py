@@ -26,9 +26,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from clis_kernels import masks
-from clis_kernels.mgpu_pipeline import COMPUTE_WARPGROUPS, cta_first_row, kv_blocks, stream_blocks, stream_kv, swizzled
+from clis_kernels.mgpu_pipeline import (COMPUTE_WARPGROUPS, RANGE_WIDTH, cta_first_row, kv_blocks, range_scratch,
+                                        read_range_entry, stream_blocks, stream_kv, swizzled)
 from clis_kernels.common import int32_loop, out_struct
-from clis_kernels.pallas_mgpu import RANGE_WIDTH, first_kv_blocks
+from clis_kernels.pallas_mgpu import first_kv_blocks
 from clis_kernels.stabilizer import LOG2E
 
 ROWS = 64  # rows per compute warpgroup (one wgmma M tile), and the streamed block in both kernels
@@ -96,12 +97,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, s
   def body(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, q_ready, do_ready, lse_ready, delta_ready,
            k_ready, v_ready, free, *extra_scratch):
     wg = lax.axis_index("wg")
-    seg_scratch, range_scratch = extra_scratch[:4 * has_segments], extra_scratch[4 * has_segments:]
+    seg_scratch, ranges = extra_scratch[:4 * has_segments], extra_scratch[4 * has_segments:]
     qseg_smem, kseg_smem, qseg_ready, kseg_ready = seg_scratch if has_segments else (None,) * 4
     first, blocks, block_of, slot_of = 0, cta_blocks, (lambda i: i), (lambda i: lax.rem(i, jnp.int32(slots)))
     if doc_ranges:  # the CTA's first KV block: the stream starts there and the slots count from it
-      first = _range_entry(range_ref.at[batch, lax.div(cta_row0, jnp.int32(COMPUTE_WARPGROUPS * ROWS))],
-                           *range_scratch)
+      first = read_range_entry(range_ref.at[batch, lax.div(cta_row0, jnp.int32(COMPUTE_WARPGROUPS * ROWS))],
+                               *ranges)
       blocks, block_of = cta_blocks - first, (lambda i: first + i)
       slot_of = lambda i: lax.rem(i - first, jnp.int32(slots))
 
@@ -196,21 +197,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, s
       *(() if not has_segments else (
           plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS), jnp.int32), plgpu.SMEM((slots, ROWS), jnp.int32),
           per_wg(), per_slot())),
-      *_range_scratch(doc_ranges),
+      *(range_scratch() if doc_ranges else ()),
       collective_axes="wg",
   )
-
-
-def _range_scratch(doc_ranges: bool) -> tuple:
-  return (plgpu.SMEM((RANGE_WIDTH,), jnp.int32), plgpu.Barrier(num_barriers=1)) if doc_ranges else ()
-
-
-def _range_entry(row_ref, range_smem, range_ready):
-  """Entry 0 of a CTA's range row (doc_ranges), loaded by the memory warpgroup and read by every warpgroup."""
-  pl.when(lax.axis_index("wg") == COMPUTE_WARPGROUPS)(
-      lambda: plgpu.copy_gmem_to_smem(row_ref, range_smem, range_ready.at[0]))
-  plgpu.barrier_wait(range_ready.at[0])
-  return range_smem[0]
 
 
 def _q_blocks(kv0, rows, *, causal: bool, num_q_blocks: int):
@@ -245,12 +234,12 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
            delta_ready, free, *extra_scratch):
     wg = lax.axis_index("wg")
     seg_scratch, extra_scratch = extra_scratch[:4 * has_segments], extra_scratch[4 * has_segments:]
-    dq_scratch, range_scratch = extra_scratch[:2 * fused_dq], extra_scratch[2 * fused_dq:]
+    dq_scratch, ranges = extra_scratch[:2 * fused_dq], extra_scratch[2 * fused_dq:]
     kseg_smem, qseg_smem, kseg_ready, qseg_ready = seg_scratch if has_segments else (None,) * 4
     ds_smem, dq_smem = dq_scratch if fused_dq else (None, None)
     end, per_head = num_q_blocks, all_q_blocks  # one past the last q block the CTA visits; blocks per head
     if doc_ranges:
-      end = _range_entry(range_ref.at[batch, lax.axis_index("kv_tiles")], *range_scratch)
+      end = read_range_entry(range_ref.at[batch, lax.axis_index("kv_tiles")], *ranges)
       per_head = end - cta_first
 
     @pl.when(wg < COMPUTE_WARPGROUPS)
@@ -344,8 +333,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
       _stream_query_blocks(streams, kv_head=kv_head, group=group, per_head=per_head, cta_first=cta_first,
                            slots=slots, free=free)
 
-  pl.run_scoped(body, *_dkv_scratch(dtype, head_dim, slots, has_segments, fused_dq), *_range_scratch(doc_ranges),
-                collective_axes="wg")
+  pl.run_scoped(body, *_dkv_scratch(dtype, head_dim, slots, has_segments, fused_dq),
+                *(range_scratch() if doc_ranges else ()), collective_axes="wg")
 
 
 def _stream_query_blocks(streams, *, kv_head, group: int, per_head, cta_first, slots: int, free):
