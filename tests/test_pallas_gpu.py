@@ -7,7 +7,7 @@ import pytest
 
 from clis_kernels import reference_f64 as ref
 from attention_base import CASES, CLIS_VS_ONLINE, TOLERANCE, AttentionTests, packed_segments, random_inputs
-from clis_kernels import pallas_gpu, testing
+from clis_kernels import attention, pallas_gpu, testing
 
 
 class TestPallasGpu(AttentionTests):
@@ -69,3 +69,21 @@ def test_document_ranges_change_nothing(stabilizer, mean_len):
     assert bool((with_ranges == without).all())
   for i, (got, want) in enumerate(zip(results[1], ref.attention(q, k, v, do, seg, causal=True))):
     assert ref.rel_err(got, want) < TOLERANCE[jnp.float32][min(i, 1)]  # output, then gradients
+
+
+@pytest.mark.parametrize("stabilizer", ["online", "clis"])
+def test_document_ranges_lower_for_the_gpu(stabilizer):
+  """The range scalars lower through Triton for an H200 (forward, dQ, dK/dV: three Triton kernels)."""
+  from clis_kernels.plan import Platform
+  from clis_kernels.testing import lower_for_h200
+  jnp = jax.numpy
+  q = jax.ShapeDtypeStruct((1, 512, 8, 64), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, 512, 2, 64), jnp.bfloat16)
+  seg = jax.ShapeDtypeStruct((1, 512), jnp.int32)
+  bs = dataclasses.replace(pallas_gpu.default_block_sizes(64, 512, jnp.bfloat16), document_ranges=True)
+
+  def loss(q, k, v, seg):
+    return attention(q, k, v, seg, causal=True, stabilizer=stabilizer, implementation="pallas_gpu",
+                     platform=Platform("gpu", hopper=False), block_sizes=bs).astype(jnp.float32).sum()
+
+  assert lower_for_h200(jax.grad(loss, argnums=(0, 1, 2)), q, k, k, seg).count("__gpu$xla.gpu.triton") == 3
