@@ -172,3 +172,17 @@ def segment_block_ranges(row_ids, col_ids, *, row_block: int, col_block: int):
   first = jnp.where(overlap, cols, num_cols).min(-1)
   last = jnp.where(overlap, cols, -1).max(-1)
   return first.astype(jnp.int32), last.astype(jnp.int32)
+
+
+def causal_document_ranges(segment_ids: SegmentIds, *, block_q: int, block_k: int):
+  """What the kernels' document ranges loop over under the causal mask: (first [B, Sq/block_q], end
+  [B, Sk/block_k]) int32 — per q block the first kv block with a key of its rows' documents, at most the q
+  block's first causally masked one; per kv block one past the last q block with a query of its keys'
+  documents, at least one past the q block holding its last key (and at most the q blocks' count). The clamps
+  keep every kernel's causal loop bounds ordered; they only ever add blocks, which the mask then hides."""
+  first, _ = segment_block_ranges(segment_ids.q, segment_ids.kv, row_block=block_q, col_block=block_k)
+  first = jnp.minimum(first, jnp.arange(first.shape[1], dtype=jnp.int32) * block_q // block_k)
+  _, last = segment_block_ranges(segment_ids.kv, segment_ids.q, row_block=block_k, col_block=block_q)
+  diagonal_end = ((jnp.arange(last.shape[1], dtype=jnp.int32) + 1) * block_k - 1) // block_q + 1
+  end = jnp.minimum(jnp.maximum(last + 1, diagonal_end), segment_ids.q.shape[1] // block_q)
+  return first, end

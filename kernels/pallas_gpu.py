@@ -227,9 +227,8 @@ def _fwd_kernel(*refs, has_segments: bool, mode: str, causal: bool, sigma2: floa
 
 
 def first_keys(segment_ids, *, rows: int, keys: int):
-  """[B, S / rows, 1] int32: per tile of `rows` queries, the first key of the first `keys`-block holding a key of
-  the rows' documents (document_ranges; the kernels clamp it to their causal ranges)."""
-  first, _ = masks.segment_block_ranges(segment_ids.q, segment_ids.kv, row_block=rows, col_block=keys)
+  """masks.causal_document_ranges's first kv block per tile of `rows` queries, as its first key: [B, S / rows, 1]."""
+  first, _ = masks.causal_document_ranges(segment_ids, block_q=rows, block_k=keys)
   return (first * keys)[..., None]
 
 

@@ -215,7 +215,6 @@ def backward(q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_s
 
 
 def _query_ends(segment_ids, *, keys: int, rows: int):
-  """[B, Sk / keys, 1] int32: per block of `keys` keys, one past the last query of the last `rows`-block holding a
-  query of the keys' documents (document_ranges; the kernel keeps at least its causal diagonal)."""
-  _, last = masks.segment_block_ranges(segment_ids.kv, segment_ids.q, row_block=keys, col_block=rows)
-  return ((last + 1) * rows)[..., None]
+  """masks.causal_document_ranges's end per block of `keys` keys, as one past its last query: [B, Sk / keys, 1]."""
+  _, end = masks.causal_document_ranges(segment_ids, block_q=rows, block_k=keys)
+  return (end * rows)[..., None]

@@ -760,10 +760,8 @@ def forward_listed(q, k, v, visit, stab: KeyBounds | None, *, mode: Mode, scale,
 
 
 def first_kv_blocks(segment_ids, *, cta_rows: int, block_kv: int):
-  """[B, CTAs, RANGE_WIDTH] int32: per causal CTA, the first KV block with a key of its rows' documents, at most
-  the first block its causal loop masks (so both warpgroups' unmasked ranges stay non-negative)."""
-  first, _ = masks.segment_block_ranges(segment_ids.q, segment_ids.kv, row_block=cta_rows, col_block=block_kv)
-  first = jnp.minimum(first, jnp.arange(first.shape[1], dtype=jnp.int32) * cta_rows // block_kv)
+  """masks.causal_document_ranges's first KV block per CTA, as range rows [B, CTAs, RANGE_WIDTH] (entry 0)."""
+  first, _ = masks.causal_document_ranges(segment_ids, block_q=cta_rows, block_k=block_kv)
   return jnp.broadcast_to(first[..., None], first.shape + (RANGE_WIDTH,))
 
 

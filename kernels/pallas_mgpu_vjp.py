@@ -451,10 +451,6 @@ def backward(q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_s
 
 
 def _q_block_ends(segment_ids):
-  """[B, kv tiles, RANGE_WIDTH] int32: one past the last q block (of ROWS) with a query of the kv tile's documents,
-  at least one past the tile's diagonal blocks (so the causal loops' ranges stay ordered)."""
-  cta_keys = COMPUTE_WARPGROUPS * ROWS
-  _, last = masks.segment_block_ranges(segment_ids.kv, segment_ids.q, row_block=cta_keys, col_block=ROWS)
-  diagonal_end = (jnp.arange(last.shape[1], dtype=jnp.int32) + 1) * cta_keys // ROWS
-  end = jnp.minimum(jnp.maximum(last + 1, diagonal_end), segment_ids.q.shape[1] // ROWS)
+  """masks.causal_document_ranges's end (q blocks of ROWS) per kv tile, as range rows [B, kv tiles, RANGE_WIDTH]."""
+  _, end = masks.causal_document_ranges(segment_ids, block_q=ROWS, block_k=COMPUTE_WARPGROUPS * ROWS)
   return jnp.broadcast_to(end[..., None], end.shape + (RANGE_WIDTH,))

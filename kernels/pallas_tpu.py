@@ -135,10 +135,8 @@ def last_visible_kv_block(q_block, *, causal, kv_len, block_q, block_k, num_kv_b
 
 
 def first_kv_blocks(segment_ids, *, block_q: int, block_k: int):
-  """document_ranges: [B · S/block_q] int32, per q block the first kv block with a key of its rows' documents (at
-  most the q block's first masked one), flat for scalar prefetch."""
-  first, _ = masks.segment_block_ranges(segment_ids.q, segment_ids.kv, row_block=block_q, col_block=block_k)
-  return jnp.minimum(first, jnp.arange(first.shape[1], dtype=jnp.int32) * block_q // block_k).reshape(-1)
+  """masks.causal_document_ranges's first kv block per q block, flat [B · S/block_q] for scalar prefetch."""
+  return masks.causal_document_ranges(segment_ids, block_q=block_q, block_k=block_k)[0].reshape(-1)
 
 
 def block_mask(q_block, kv_block, qseg_ref, kseg_ref, *, causal, kv_len, block_q, block_k, window=None):

@@ -192,8 +192,5 @@ def _grid(prefetch, **spec):
 
 
 def _last_q_blocks(segment_ids, *, block_q: int, block_k: int):
-  """document_ranges: [B · Sk/block_k] int32, per kv block the last q block with a query of its keys' documents (at
-  least the kv block's first causal q block), flat for scalar prefetch."""
-  _, last = masks.segment_block_ranges(segment_ids.kv, segment_ids.q, row_block=block_k, col_block=block_q)
-  first_causal = jnp.arange(last.shape[1], dtype=jnp.int32) * block_k // block_q
-  return jnp.maximum(last, first_causal).reshape(-1)
+  """masks.causal_document_ranges's last q block (end − 1) per kv block, flat [B · Sk/block_k] for scalar prefetch."""
+  return (masks.causal_document_ranges(segment_ids, block_q=block_q, block_k=block_k)[1] - 1).reshape(-1)

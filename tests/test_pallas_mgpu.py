@@ -430,3 +430,22 @@ def test_document_ranges_skip_the_blocks_where_documents_do_not_meet_on_gpu(rang
       block_sizes=pallas_mgpu.BlockSizes(document_ranges=ranges),
       backward_block_sizes=pallas_mgpu_vjp.BlockSizes(document_ranges=ranges, fused_dq=fused))
   assert testing.documents_left_out(run, ranges, jnp.bfloat16) == [ranges] * 4
+
+
+@pytest.mark.parametrize("block_q,block_k", [(64, 128), (128, 64), (64, 64)])
+def test_causal_document_ranges_hold_every_visible_causal_pair(block_q, block_k):
+  """masks.causal_document_ranges: every causally visible same-document pair lies in [first, causal end) of its
+  q block and in [causal start, end) of its kv block; first stays at or before the q block's first masked kv
+  block and end at or after one past the q block of the kv block's last key."""
+  from clis_kernels import masks
+  ids = testing.short_documents(3, 2, 512, 40)
+  first, end = (np.asarray(x) for x in masks.causal_document_ranges(masks.SegmentIds(ids, ids), block_q=block_q,
+                                                                      block_k=block_k))
+  ids = np.asarray(ids)
+  pos = np.arange(512)
+  seen = (ids[:, :, None] == ids[:, None, :]) & (ids[:, None, :] != 0) & (pos[:, None] >= pos[None, :])
+  qb, kb = np.nonzero(seen.reshape(2, 512 // block_q, block_q, 512 // block_k, block_k).any(axis=(2, 4))[0])
+  assert np.all(first[0][qb] <= kb) and np.all(end[0][kb] > qb)
+  nq, nk = 512 // block_q, 512 // block_k
+  assert np.all(first <= np.arange(nq) * block_q // block_k)
+  assert np.all(end >= ((np.arange(nk) + 1) * block_k - 1) // block_q + 1) and np.all(end <= nq)
