@@ -39,7 +39,7 @@ def _document_starts(segment_ids):
   return jax.lax.cummax(jnp.where(new, pos, 0), axis=1)
 
 
-def _tokamax(q, k, v, segment_ids, *, on_gpu: bool):
+def tokamax_documents(q, k, v, segment_ids, *, on_gpu: bool):
   """Causal attention within packed documents through tokamax: its ops take a mask whose rows each see keys
   [k_start, row] (tokamax's own example of independent causal sequences), so no [S, S] array is built.
   Padding tokens (id 0) form one more document whose outputs are zeroed, as every other backend does."""
@@ -80,7 +80,7 @@ def make_attention(name: str, mesh: jax.sharding.Mesh | None, *, granularity: st
     on_gpu = (platform.name if platform is not None else jax.devices()[0].platform) == "gpu"
 
     def attend(q, k, v, seg):
-      return _tokamax(q, k, v, seg, on_gpu=on_gpu), jnp.zeros((), jnp.float32)
+      return tokamax_documents(q, k, v, seg, on_gpu=on_gpu), jnp.zeros((), jnp.float32)
   else:
     raise ValueError(f"attention={name!r} must be one of {', '.join(ATTENTIONS)}")
 

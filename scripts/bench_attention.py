@@ -142,11 +142,11 @@ def _document_ranges(q, k, v, seg, causal, stabilizer):
 def _tokamax_k_start(q, k, v, seg, causal):
   """tokamax's Mosaic GPU flash attention with packed documents as per-row first keys (the trainer's
   attention=tokamax; causal only)."""
-  from clis_train.attention import _tokamax as tokamax_docs
+  from clis_train.attention import tokamax_documents
   if not causal:
     raise ValueError("tokamax_k_start is causal only")
   seg = jnp.ones(q.shape[:2], jnp.int32) if seg is None else seg
-  return tokamax_docs(q, k, v, seg, on_gpu=True)
+  return tokamax_documents(q, k, v, seg, on_gpu=True)
 
 
 def implementations(names, platform, quick):

@@ -8,8 +8,8 @@ the self-attention time of all layers (each layer's attention timed alone on the
 state, variants interleaved), and the fraction of tiles skipped; per variant: PSNR and SSIM of
 the final videos against the dense XLA sample from the same noise (run first; without xla, the
 first variant's), and for skip variants against their unskipped twin (the same skip path and step programs,
-thr −1e4, which marks nothing): what skipping alone moved, apart from any kernel's rounding. The JSON records are rewritten after every variant, so a run cut short keeps what
-it measured; at the end come a markdown table, a PNG plot of sparsity and attention time per step, and an image strip of
+thr −1e4, which marks nothing): what skipping alone moved, apart from any kernel's rounding. The JSON records
+are rewritten after every variant, so a run cut short keeps what it measured; at the end come a markdown table, a PNG plot of sparsity and attention time per step, and an image strip of
 dense and accelerated samples (same stem).
 
   python scripts/bench_diffusion.py --weights examples/video_dit/weights.safetensors --out benchmarks/results/x.json
