@@ -42,7 +42,7 @@ class BlockSizes:
   notes/kernels.md).
   document_ranges: causal packed calls skip the block pairs where no documents meet (masks.segment_block_ranges):
   the forward's and dQ's loops start at their rows' documents' first key block, dK/dV's end at its keys'
-  documents' last query block. Opt-in until timed on a GPU.
+  documents' last query block. On by default (bit-identical to the full loops); False visits every causal block.
   """
 
   block_q: int = 128
@@ -56,7 +56,7 @@ class BlockSizes:
   block_k_dkv: int = 64
   num_warps_bwd: int = 4
   num_stages_bwd: int = 2
-  document_ranges: bool = False
+  document_ranges: bool = True
 
   def __post_init__(self):
     for field in dataclasses.fields(self):

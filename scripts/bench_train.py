@@ -3,8 +3,8 @@
 Builds one Trainer per attention value (same config, same data, same initial weights),
 compiles and warms each up, then runs timed steps round-robin (A B A B ...) so that the
 variants share the machine's state. Per step: wall time (after block_until_ready), tokens/s
-and MFU; the median over the timed steps is reported. Writes JSON records, a markdown
-table and a PNG plot.
+and MFU; the median over the timed steps is reported and each step's time kept (step_ms).
+Writes JSON records, a markdown table and a PNG plot.
 
   python scripts/bench_train.py recipes/cpt.yaml --attentions clis online --steps 6 \
       --out benchmarks/results/<date>-<device>-train.json data.seq_len=8192 data.per_device_batch=1
@@ -67,6 +67,7 @@ def main():
     mfu = None if peak is None else model.flops_per_token(dims, cfg.data.seq_len) * tokens / med / (peak * t.mesh.size)
     records.append(dict(case=f"{cfg.model.preset}_S{cfg.data.seq_len}", impl=name, **{"pass": "train_step"},
                         ms=med * 1e3, ms_min=min(times[name]) * 1e3, ms_max=max(times[name]) * 1e3,
+                        step_ms=[round(x * 1e3, 2) for x in times[name]],
                         tokens_per_s=tokens / med, mfu=mfu, B=t.global_batch, S=cfg.data.seq_len, Hq=dims.n_heads,
                         Hkv=dims.n_kv_heads, D=dims.head_dim, causal=True, params=dims.num_params(),
                         device=jax.devices()[0].device_kind, devices=t.mesh.size, jax_version=jax.__version__,

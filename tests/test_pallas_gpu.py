@@ -43,17 +43,24 @@ def test_fixed_loop_with_its_own_block_k(case):
   assert ref.rel_err(out, want) <= CLIS_VS_ONLINE * ref.rel_err(online, want)
 
 
+# Interpret mode here; compiled by Triton on the GPU (JAX_PLATFORMS=cuda pytest -m gpu ...).
+RUNNERS = [pytest.param(TestPallasGpu, id="interpret"),
+           pytest.param(TestPallasGpuCompiled, id="compiled", marks=TestPallasGpuCompiled.pytestmark)]
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
 @pytest.mark.parametrize("ranges", [False, True])
-def test_document_ranges_skip_the_blocks_where_documents_do_not_meet(ranges):
+def test_document_ranges_skip_the_blocks_where_documents_do_not_meet(ranges, runner):
   """BlockSizes(document_ranges=True) visits only the block pairs where packed documents meet: with it the
   NaNs of testing.documents_left_out stay out of all four results; the full causal loops bring them in."""
-  run = lambda q, k, v, seg, ranges: TestPallasGpu().run(
-      q, k, v, seg, causal=True, block_sizes=dataclasses.replace(TestPallasGpu.block_sizes, document_ranges=ranges))
+  run = lambda q, k, v, seg, ranges: runner().run(
+      q, k, v, seg, causal=True, block_sizes=dataclasses.replace(runner.block_sizes, document_ranges=ranges))
   assert testing.documents_left_out(run, ranges) == [ranges] * 4
 
 
+@pytest.mark.parametrize("runner", RUNNERS)
 @pytest.mark.parametrize("stabilizer,mean_len", [("online", 6), ("clis", 40)])
-def test_document_ranges_change_nothing(stabilizer, mean_len):
+def test_document_ranges_change_nothing(stabilizer, mean_len, runner):
   """Many short documents, a padded tail, an odd length, GQA: with document_ranges the output and gradients are
   the full loops' bit for bit (skipped blocks only ever added exact zeros) and match float64."""
   jnp = jax.numpy
@@ -61,8 +68,8 @@ def test_document_ranges_change_nothing(stabilizer, mean_len):
   seg = testing.short_documents(mean_len, 2, 301, mean_len)
   results = []
   for ranges in (False, True):
-    bs = dataclasses.replace(TestPallasGpu.block_sizes, document_ranges=ranges)
-    f = lambda q, k, v: TestPallasGpu().run(q, k, v, seg, causal=True, stabilizer=stabilizer, block_sizes=bs)
+    bs = dataclasses.replace(runner.block_sizes, document_ranges=ranges)
+    f = lambda q, k, v: runner().run(q, k, v, seg, causal=True, stabilizer=stabilizer, block_sizes=bs)
     out, vjp = jax.vjp(f, q, k, v)
     results.append((out, *vjp(do)))
   for with_ranges, without in zip(*results[::-1]):

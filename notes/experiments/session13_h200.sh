@@ -1,6 +1,8 @@
 # The next device session's plan (issues 17, 18), each call well inside 600 s. carry [".whl", ".whl-maxtext"];
 # from the repository root: `bash notes/experiments/session13_h200.sh A` (then B once A's tests pass and
 # document_ranges is the default in pallas_mgpu.BlockSizes and pallas_mgpu_vjp.BlockSizes).
+# A ran at 699afa9, before document ranges were the default: its clis_doc_ranges is today's clis, and today's
+# clis_all_blocks is its clis.
 #   A: GPU tests of document ranges (bit-identical to the full causal loops) and of the skip kernel with nothing
 #      skipped (bit-identical to the dense kernel); packed-document timings at the 1B shape and at D 128.
 #   B: the 1B trainer with clis / tokamax / cuDNN on packed documents.
@@ -23,12 +25,27 @@ case "$1" in
     TAIL=15 step train 330 python3 scripts/bench_train.py recipes/cpt.yaml run_dir=/tmp/bt data.seq_len=8192 \
         data.per_device_batch=1 --attentions clis tokamax cudnn --warmup 1 --steps 8 --out "$OUT/train_1b_docs.json"
     ;;
-  C)  # the example DiT: each skip schedule against its unskipped twin (same step programs, nothing marked)
+  C)  # the example DiT: each skip schedule against its unskipped twin (same step programs, nothing marked);
+      # then clis training alone with every compile logged (B's clis spread had one 22.8 s step)
     TAIL=12 step diffusion 400 python3 scripts/bench_diffusion.py --weights examples/video_dit/weights.safetensors \
         --impls xla cudnn clis clis_skip --schedules " -14:-8" " -10:-4" --calibrate --repeats 2 --inner 2 \
         --out "$OUT/diffusion.json"
+    TAIL=6 step recompile 150 env JAX_LOG_COMPILES=1 JAX_EXPLAIN_CACHE_MISSES=1 python3 scripts/bench_train.py \
+        recipes/cpt.yaml run_dir=/tmp/bt data.seq_len=8192 data.per_device_batch=1 --attentions clis --warmup 1 \
+        --steps 6 --out "$OUT/train_clis_compiles.json"
+    grep -n -E "Compiling|Finished|CACHE MISS|because|never seen" "$OUT/recompile.log" | cut -c1-300 | tail -40
     ;;
-  *) echo "usage: session13_h200.sh A|B|C"; exit 2 ;;
+  D)  # the DiT with the sampler's skip path on the dense call's automatic plan (nothing skipped = dense clis), and
+      # issue 16's length sweep, forward, on the sink family (B x S = 32k tokens)
+    TAIL=10 step diffusion 200 python3 scripts/bench_diffusion.py --weights examples/video_dit/weights.safetensors \
+        --impls xla cudnn clis clis_skip --schedules " -14:-8" " -10:-4" --repeats 2 --inner 2 \
+        --out "$OUT/diffusion_same_plan.json"
+    TAIL=3 step sweep_sinks 300 python3 scripts/bench_attention.py --suite llm --seq-lens 1024 2048 4096 8192 16384 \
+        32768 65536 --tokens 32768 --causal both --packed no --inputs sinks_many --passes fwd --impls clis online \
+        --repeats 5 --inner 3 --out "$OUT/sweep_sinks_fwd.json"
+    grep -E "ms \[" "$OUT/sweep_sinks.log"
+    ;;
+  *) echo "usage: session13_h200.sh A|B|C|D"; exit 2 ;;
 esac
 # At most 8 files come back from $OUT: everything goes back as one archive.
 (cd "$OUT" && tar czf all.tgz --remove-files -- *)
