@@ -45,7 +45,13 @@ case "$1" in
         --repeats 5 --inner 3 --out "$OUT/sweep_sinks_fwd.json"
     grep -E "ms \[" "$OUT/sweep_sinks.log"
     ;;
-  *) echo "usage: session13_h200.sh A|B|C|D"; exit 2 ;;
+  E)  # with document ranges the default: the Triton kernels compiled (A ran the Mosaic GPU ones), the sampler's
+      # skip path against dense clis; then the two-kernel backward's slots at D 128 against cuDNN
+    TAIL=12 step tests 150 $GPU_TEST tests/test_pallas_gpu.py tests/test_diffusion_skipping.py \
+        -k "document_ranges or packed or bit_for_bit"
+    TAIL=12 step bwd_slots 130 python3 notes/experiments/bwd_slots.py --repeats 5 --inner 3 --out "$OUT/bwd_slots.json"
+    ;;
+  *) echo "usage: session13_h200.sh A|B|C|D|E"; exit 2 ;;
 esac
 # At most 8 files come back from $OUT: everything goes back as one archive.
 (cd "$OUT" && tar czf all.tgz --remove-files -- *)
