@@ -47,15 +47,23 @@ class BlockSizes:
   (each dQ row summed by one warpgroup in a fixed order), at the cost of recomputing S and dP.
   document_ranges: causal packed calls visit only the block pairs whose documents meet (the forward's option of
   the same name: dQ's loop starts at its rows' documents' first KV block, dK/dV's ends at its keys' documents'
-  last query block). On by default; False visits every causal block pair."""
+  last query block). On by default; False visits every causal block pair.
+  split_dq (with fused_dq, head dim 128): FlashAttention-3's split of dQ — the two compute warpgroups share their
+  dSᵀ through shared memory and each forms one half of the head dim from both, dS [64 q × 128 k]·K[:, half],
+  so each step adds a [64, 64] f32 part per warpgroup instead of [64, 128] (half the reduce-add bytes, half the
+  dQ accumulator's registers, half the staging memory). Both warpgroups then walk the CTA's steps in lockstep
+  (one 2-arrival barrier per step). Opt-in until timed on the H200."""
 
   slots: int = 2
   fused_dq: bool = False
   document_ranges: bool = True
+  split_dq: bool = False
 
   def __post_init__(self):
     if self.slots < 2:
       raise ValueError(f"{self.slots=} must be at least 2 (one block computing while the next loads)")
+    if self.split_dq and not self.fused_dq:
+      raise ValueError("split_dq=True splits the fused backward's dQ: it needs fused_dq=True")
 
   @property
   def multiple(self) -> int:
@@ -212,7 +220,7 @@ def _q_blocks(kv0, rows, *, causal: bool, num_q_blocks: int):
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, sigma2, scale, slots, group,
-                has_segments, fused_dq: bool = False, doc_ranges: bool = False):
+                has_segments, fused_dq: bool = False, split_dq: bool = False, doc_ranges: bool = False):
   qseg_ref = kseg_ref = dq_ref = range_ref = None
   if has_segments:
     (qseg_ref, kseg_ref), refs = refs[:2], refs[2:]
@@ -227,16 +235,17 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
   cta_kv0 = lax.axis_index("kv_tiles") * (COMPUTE_WARPGROUPS * ROWS)  # low tiles see the most: they start first
 
   q_range = functools.partial(_q_blocks, causal=causal, num_q_blocks=num_q_blocks)
-  cta_first, _ = q_range(cta_kv0, COMPUTE_WARPGROUPS * ROWS)
+  cta_first, cta_first_full = q_range(cta_kv0, COMPUTE_WARPGROUPS * ROWS)
   all_q_blocks = jnp.asarray(num_q_blocks - cta_first, jnp.int32)  # q blocks the CTA streams per head of the group
 
   def body(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, k_ready, v_ready, q_ready, do_ready, lse_ready,
            delta_ready, free, *extra_scratch):
     wg = lax.axis_index("wg")
     seg_scratch, extra_scratch = extra_scratch[:4 * has_segments], extra_scratch[4 * has_segments:]
-    dq_scratch, ranges = extra_scratch[:2 * fused_dq], extra_scratch[2 * fused_dq:]
+    n_dq = (3 if split_dq else 2) if fused_dq else 0
+    dq_scratch, ranges = extra_scratch[:n_dq], extra_scratch[n_dq:]
     kseg_smem, qseg_smem, kseg_ready, qseg_ready = seg_scratch if has_segments else (None,) * 4
-    ds_smem, dq_smem = dq_scratch if fused_dq else (None, None)
+    ds_smem, dq_smem, ds_ready = (tuple(dq_scratch) + (None,) * 3)[:3]
     end, per_head = num_q_blocks, all_q_blocks  # one past the last q block the CTA visits; blocks per head
     if doc_ranges:
       end = read_range_entry(range_ref.at[batch, lax.axis_index("kv_tiles")], *ranges)
@@ -285,6 +294,16 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
           return acc_ref[...]
 
         ds = p * (pl.run_scoped(dp_scope, plgpu.ACC((ROWS, ROWS), jnp.float32)) - delta)
+        if split_dq:
+          i = g * per_head + j - cta_first  # the stream's step: its parity picks the dSᵀ buffers and barrier
+          half = head_dim // 2
+          dk, dv, dq_part = _split_update(dk, dv, p, ds.astype(dtype), do_smem.at[slot], q_smem.at[slot], k_smem,
+                                          ds_smem.at[lax.rem(i, jnp.int32(2))], ds_ready.at[lax.rem(i, jnp.int32(2))],
+                                          wg=wg, half=half)
+          plgpu.barrier_arrive(free.at[slot])
+          _add_dq(dq_part, dq_smem.at[wg], dq_ref.at[batch, pl.ds(j * ROWS, ROWS), kv_head * group + g,
+                                                     pl.ds(wg * half, half)])
+          return dk, dv
         if not fused_dq:
           def update(refs):
             dk_ref_, dv_ref_ = refs
@@ -306,6 +325,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
         plgpu.barrier_arrive(free.at[slot])
 
       def head_loop(g, carry):
+        if causal and split_dq:  # lockstep: both warpgroups take every step of the CTA (masking what they can't see)
+          carry = int32_loop(cta_first, cta_first_full, functools.partial(step, g=g, masked=True), carry)
+          return int32_loop(cta_first_full, end, functools.partial(step, g=g, masked=False), carry)
         if causal:
           int32_loop(cta_first, first, functools.partial(release, g=g), None)
           carry = int32_loop(first, first_full, functools.partial(step, g=g, masked=True), carry)
@@ -333,7 +355,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
       _stream_query_blocks(streams, kv_head=kv_head, group=group, per_head=per_head, cta_first=cta_first,
                            slots=slots, free=free)
 
-  pl.run_scoped(body, *_dkv_scratch(dtype, head_dim, slots, has_segments, fused_dq),
+  pl.run_scoped(body, *_dkv_scratch(dtype, head_dim, slots, has_segments, fused_dq, split_dq),
                 *(range_scratch() if doc_ranges else ()), collective_axes="wg")
 
 
@@ -367,6 +389,29 @@ def _fused_update(dk, dv, p, ds_low, do_block, q_block, k_rows, ds_buf):
   return pl.run_state(update)((plgpu.ACC.init(dk), plgpu.ACC.init(dv), plgpu.ACC.init(zeros)))
 
 
+def _split_update(dk, dv, p, ds_low, do_block, q_block, k_smem, ds_bufs, ds_ready, *, wg, half: int):
+  """_fused_update's split form: this warpgroup's dSᵀ goes to its half of `ds_bufs` [2 warpgroups, keys,
+  queries]; dV and dK are issued; once both warpgroups' dSᵀ are in (`ds_ready`, two arrivals), dQ's part for
+  head-dim columns [wg·half, (wg + 1)·half) is Σ_w dSᵀ_w.T·K_w[:, half] over both warpgroups' keys. The buffers
+  alternate by step parity: a warpgroup rewrites this parity's two steps later, after the other has arrived at
+  the step between — which it does only once its own run_state, and so its reads of this parity, completed."""
+  ds_bufs.at[wg][...] = ds_low
+  plgpu.commit_smem()
+  plgpu.barrier_arrive(ds_ready)
+  columns = pl.ds(wg * half, half)
+
+  def update(refs):
+    dk_ref_, dv_ref_, dq_ref_ = refs
+    plgpu.wgmma(dv_ref_, p.astype(ds_low.dtype), do_block)
+    plgpu.wgmma(dk_ref_, ds_low, q_block)
+    plgpu.barrier_wait(ds_ready)
+    for w in range(COMPUTE_WARPGROUPS):
+      plgpu.wgmma(dq_ref_, ds_bufs.at[w].T, k_smem.at[w, :, columns])
+
+  zeros = plgpu.layout_cast(jnp.zeros((dk.shape[0], half), jnp.float32), plgpu.Layout.WGMMA)
+  return pl.run_state(update)((plgpu.ACC.init(dk), plgpu.ACC.init(dv), plgpu.ACC.init(zeros)))
+
+
 def _add_dq(dq_part, buf, dq_rows):
   """Adds dq_part [64, D] f32 into dq_rows (HBM) with TMA's reduce-add, through `buf` once the previous
   add has read it."""
@@ -376,7 +421,8 @@ def _add_dq(dq_part, buf, dq_rows):
   plgpu.copy_smem_to_gmem(buf, dq_rows, reduction_op="add")
 
 
-def _dkv_scratch(dtype, head_dim: int, slots: int, has_segments: bool, fused_dq: bool = False) -> tuple:
+def _dkv_scratch(dtype, head_dim: int, slots: int, has_segments: bool, fused_dq: bool = False,
+                 split_dq: bool = False) -> tuple:
   """The dK/dV kernel's shared memory and barriers, in the order its body takes them."""
   per_wg = lambda: plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS)
   per_slot = lambda: plgpu.Barrier(num_barriers=slots)
@@ -393,9 +439,13 @@ def _dkv_scratch(dtype, head_dim: int, slots: int, has_segments: bool, fused_dq:
       *(() if not has_segments else (
           plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS), jnp.int32), plgpu.SMEM((slots, ROWS), jnp.int32),
           per_wg(), per_slot())),
-      *(() if not fused_dq else (
+      *(() if not fused_dq or split_dq else (
           plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS, ROWS), dtype, transforms=swizzled()),  # dSᵀ, read transposed
           plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS, head_dim), jnp.float32))),  # dQ's part, on its way to HBM
+      *(() if not split_dq else (  # both warpgroups' dSᵀ by step parity; each one's half of dQ's part
+          plgpu.SMEM((2, COMPUTE_WARPGROUPS, ROWS, ROWS), dtype, transforms=swizzled()),
+          plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS, head_dim // 2), jnp.float32),
+          plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=2))),  # both dSᵀ of a parity written
   )
 
 
@@ -420,6 +470,9 @@ def backward(q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_s
   kv_seq, num_kv_heads = k.shape[1:3]  # kv_seq may differ from seq (cross-attention)
   if seq % block_sizes.multiple or kv_seq % block_sizes.multiple:
     raise ValueError(f"{block_sizes.multiple=} must divide the padded lengths {seq=} and {kv_seq=}")
+  if block_sizes.split_dq and q.shape[-1] != 128:
+    raise ValueError(f"split_dq=True needs head_dim 128 (halves of 64 columns, one swizzle tile); got "
+                     f"head_dim={q.shape[-1]}: use BlockSizes(fused_dq=True) without split_dq")
   delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32))
   args = [q, k, v, do, lse, delta]
   if segment_ids is not None:  # key id 0 (padding) becomes −1, as in the forward
@@ -436,7 +489,7 @@ def backward(q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_s
                 compiler_params=plgpu.CompilerParams(approx_math=True))
   if block_sizes.fused_dq:
     dq_acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
-    dk, dv = plgpu.kernel(functools.partial(_dkv_kernel, fused_dq=True, **common),
+    dk, dv = plgpu.kernel(functools.partial(_dkv_kernel, fused_dq=True, split_dq=block_sizes.split_dq, **common),
                           out_type=(out_struct(k.shape, k.dtype, k), out_struct(v.shape, v.dtype, v)),
                           grid=(num_kv_heads, kv_tiles, batch), grid_names=("heads", "kv_tiles", "batch"),
                           **launch)(*dkv_args, dq_acc)

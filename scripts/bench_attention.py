@@ -125,10 +125,11 @@ def _certified_fraction(q, k, v, seg, causal, name, quick):
   return float(stats.certified_fraction)
 
 
-def _backward_choice(q, k, v, seg, causal, stabilizer, fused):
-  """The Mosaic GPU backward forced to one kernel (fused) or two, whatever the head dim's default."""
+def _backward_choice(q, k, v, seg, causal, stabilizer, fused, split=False):
+  """The Mosaic GPU backward forced to one kernel (fused; split: each warpgroup half of dQ's head dim) or two,
+  whatever the head dim's default."""
   return attention(q, k, v, seg, causal=causal, stabilizer=stabilizer,
-                   backward_block_sizes=pallas_mgpu_vjp.BlockSizes(fused_dq=fused))
+                   backward_block_sizes=pallas_mgpu_vjp.BlockSizes(fused_dq=fused, split_dq=split))
 
 
 def _all_blocks(q, k, v, seg, causal, stabilizer):
@@ -181,6 +182,7 @@ def implementations(names, platform, quick):
     for stab in ("clis", "online"):  # the API's default forward with the one-kernel Mosaic GPU backward
       table[f"{stab}_fused_bwd"] = functools.partial(_backward_choice, stabilizer=stab, fused=True)
       table[f"{stab}_two_kernel_bwd"] = functools.partial(_backward_choice, stabilizer=stab, fused=False)
+      table[f"{stab}_split_bwd"] = functools.partial(_backward_choice, stabilizer=stab, fused=True, split=True)
       table[f"{stab}_all_blocks"] = functools.partial(_all_blocks, stabilizer=stab)
     table["tokamax_k_start"] = _tokamax_k_start
   fns, notes = {}, []

@@ -23,7 +23,8 @@ def needs_gpu(test):
   return pytest.mark.gpu(pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernels run on an NVIDIA Hopper GPU only")(
       test))
 BACKWARDS = {"mosaic": ("pallas_mgpu", None), "triton": ("pallas_mgpu_triton_bwd", None),  # the forward with
-             "fused": ("pallas_mgpu", pallas_mgpu_vjp.BlockSizes(fused_dq=True))}  # each backward
+             "fused": ("pallas_mgpu", pallas_mgpu_vjp.BlockSizes(fused_dq=True)),  # each backward
+             "split": ("pallas_mgpu", pallas_mgpu_vjp.BlockSizes(fused_dq=True, split_dq=True))}  # (head dim 128)
 
 
 @pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
@@ -42,6 +43,29 @@ def test_fused_backward_lowers_as_one_kernel(causal, seq, d, packed):
 
   text = lower_for_h200(jax.grad(loss, argnums=(0, 1, 2)), q, k, k, seg)
   assert text.count("custom_call @mosaic_gpu") == 2
+
+
+@pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
+@pytest.mark.parametrize("causal,packed", [(True, False), (False, False), (True, True)])
+def test_split_dq_backward_lowers_as_one_kernel(causal, packed):
+  """BlockSizes(fused_dq=True, split_dq=True) at head dim 128: each warpgroup's half of dQ from both warpgroups'
+  dSᵀ, GQA, an odd length, packed; and a clear error at head dim 64."""
+  seq = 200
+  q = jax.ShapeDtypeStruct((1, seq, 8, 128), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, seq, 2, 128), jnp.bfloat16)
+  seg = jax.ShapeDtypeStruct((1, seq), jnp.int32) if packed else None
+  split = pallas_mgpu_vjp.BlockSizes(fused_dq=True, split_dq=True)
+
+  def loss(q, k, v, seg):
+    return attention(q, k, v, seg, causal=causal, implementation="pallas_mgpu", platform=HOPPER,
+                     backward_block_sizes=split).astype(jnp.float32).sum()
+
+  assert lower_for_h200(jax.grad(loss, argnums=(0, 1, 2)), q, k, k, seg).count("custom_call @mosaic_gpu") == 2
+  q64 = jax.ShapeDtypeStruct((1, seq, 8, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="split_dq=True needs head_dim 128"):
+    lower_for_h200(jax.grad(loss, argnums=(0, 1, 2)), q64, q64, q64, seg)
+  with pytest.raises(ValueError, match="needs fused_dq=True"):
+    pallas_mgpu_vjp.BlockSizes(split_dq=True)
 
 
 @pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
@@ -208,20 +232,22 @@ class TestPallasMgpu(AttentionTests):
 @needs_gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
 def test_mosaic_backward_matches_float64_on_gpu(case):
-  """The Mosaic GPU backwards (two kernels, and fused): gradients against float64, as accurate as the Triton
-  backward's."""
+  """The Mosaic GPU backwards (two kernels, fused, and fused with split dQ at head dim 128): gradients against
+  float64, as accurate as the Triton backward's."""
   name, batch, seq, hq, hkv, d, causal, packed = case
   q, k, v, do = random_inputs(len(name), batch, seq, hq, hkv, d, jnp.bfloat16)
   seg = packed_segments(len(name), batch, seq) if packed else None
   want = ref.attention(q, k, v, do, seg, causal=causal)[1:]
   errors = {}
   for label, (implementation, backward_tiles) in BACKWARDS.items():
+    if label == "split" and d != 128:
+      continue
     f = lambda q, k, v: attention(q, k, v, seg, causal=causal, implementation=implementation,
                                   backward_block_sizes=backward_tiles)
     grads = jax.vjp(f, q, k, v)[1](do)
     assert all(bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in grads), label
     errors[label] = [ref.rel_err(g, w) for g, w in zip(grads, want)]
-  for label in ("mosaic", "fused"):
+  for label in ("mosaic", "fused", "split")[:3 if d == 128 else 2]:
     assert max(errors[label]) < TOLERANCE[jnp.bfloat16][1], (label, errors)
     for mosaic, triton in zip(errors[label], errors["triton"]):
       assert mosaic <= CLIS_VS_ONLINE * triton, (label, errors)
