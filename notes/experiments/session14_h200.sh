@@ -11,6 +11,7 @@ source notes/experiments/maxtext_wheels.sh
 GPU_TEST="env JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_MEM_FRACTION=0.15 python3 -m pytest -q -n 6 -m gpu -p no:cacheprovider -rf"
 case "$1" in
   A)
+    TAIL=8 step split_check 150 python3 notes/experiments/split_dq_check.py --out "$OUT/split_dq_check.json"
     TAIL=15 step tests 200 $GPU_TEST tests/test_pallas_mgpu.py -k "backward_matches"
     TAIL=30 step split_bwd 300 python3 scripts/bench_attention.py --suite llm --seq-lens 8192 16384 32768 \
         --tokens 32768 --packed no --passes bwd fwd_bwd --impls clis clis_fused_bwd clis_split_bwd cudnn \
