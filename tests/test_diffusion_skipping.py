@@ -45,6 +45,23 @@ def test_no_marks_means_dense_bit_for_bit(thr):
   assert int(state.calls) == 3
 
 
+@pytest.mark.parametrize("n", [1, 7, 32, 64, 65, 130])  # pairwise up to tile_lists.PAIRWISE_MAX, sorted beyond
+def test_tile_orders_are_the_stable_sorts(n):
+  """stable_rank and kept_tiles, which compare pairs on short rows instead of sorting, give exactly the stable
+  argsorts' results, ties (equal bounds, the inf of non-candidates) in index order."""
+  from clis_kernels.diffusion.tile_lists import kept_tiles, stable_rank
+  rng = np.random.default_rng(n)
+  x = jnp.asarray(rng.integers(0, 4, (2, 3, 5, n)).astype(np.float32))
+  x = jnp.where(x == 3, jnp.inf, x)
+  want = jnp.argsort(jnp.argsort(x, axis=-1, stable=True), axis=-1, stable=True)
+  np.testing.assert_array_equal(np.asarray(stable_rank(x)), np.asarray(want))
+  skip = jnp.asarray(rng.random((2, 3, 5, n)) < 0.4)
+  visit, count = kept_tiles(skip, width=n + 3)
+  want_visit = jnp.pad(jnp.argsort(skip, axis=-1, stable=True), [(0, 0)] * 3 + [(0, 3)])
+  np.testing.assert_array_equal(np.asarray(visit), np.asarray(want_visit))
+  np.testing.assert_array_equal(np.asarray(count), np.asarray((~skip).sum(-1)))
+
+
 def test_error_stays_under_the_promised_bound():
   q, k, v = local_inputs(1)
   thr = -12.0

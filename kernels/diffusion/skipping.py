@@ -35,6 +35,7 @@ import jax.numpy as jnp
 
 from clis_kernels import api, stabilizer
 from clis_kernels import plan as plan_lib
+from clis_kernels.diffusion.tile_lists import stable_rank
 
 
 @jax.tree_util.register_dataclass
@@ -86,8 +87,7 @@ def _within_budget(candidates, bound, skip, thr):
   meaningful, and a row never loses all its keys, however loose thr is)."""
   budget = jnp.floor(jnp.exp2(-jnp.asarray(thr, jnp.float32) - 1.0))
   allowed = jnp.maximum(budget - skip.sum(-1, keepdims=True), 0.0)  # [B, H, nq, 1]
-  order = jnp.argsort(jnp.where(candidates, bound, jnp.inf), axis=-1)
-  rank = jnp.argsort(order, axis=-1)  # rank of each tile among this q tile's candidates
+  rank = stable_rank(jnp.where(candidates, bound, jnp.inf))  # rank of each tile among this q tile's candidates
   return candidates & (rank < allowed)
 
 

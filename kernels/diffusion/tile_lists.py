@@ -9,10 +9,32 @@ from clis_kernels.plan import Mode, stabilizer_inputs
 from clis_kernels.stabilizer import NEG
 
 
+PAIRWISE_MAX = 64  # rows of at most this many tiles are ordered by pairwise comparison (one fused XLA kernel)
+
+
+def stable_rank(x):
+  """x [..., n] -> the rank of each entry in a stable ascending sort of its row, int32 (argsort(argsort(x))).
+  Short rows compare every pair — O(n²) work that XLA fuses into one kernel, where two sorts are two launches
+  apiece (they dominated a small DiT's skip calls); longer rows sort."""
+  n = x.shape[-1]
+  if n > PAIRWISE_MAX:
+    return jnp.argsort(jnp.argsort(x, axis=-1, stable=True), axis=-1, stable=True).astype(jnp.int32)
+  xu, xt = x[..., None, :], x[..., :, None]  # [..., t, u]
+  earlier = jnp.arange(n)[None, :] < jnp.arange(n)[:, None]  # u < t
+  return ((xu < xt) | ((xu == xt) & earlier)).sum(-1).astype(jnp.int32)
+
+
 def kept_tiles(skip, *, width: int | None = None):
   """skip [B, H, nq, nk] bool -> (visit [B, H, nq, width or nk] int32: the kept kv tiles first, in order, then
-  the skipped ones and zero padding; count [B, H, nq] int32: how many are kept)."""
-  visit = jnp.argsort(skip, axis=-1, stable=True).astype(jnp.int32)
+  the skipped ones and zero padding; count [B, H, nq] int32: how many are kept). visit is the stable argsort of
+  skip: tile t goes to position stable_rank(skip)[t]."""
+  nk = skip.shape[-1]
+  if nk > PAIRWISE_MAX:
+    visit = jnp.argsort(skip, axis=-1, stable=True).astype(jnp.int32)
+  else:  # invert the rank permutation by comparison: visit[p] = the t with rank p
+    rank = stable_rank(skip.astype(jnp.int32))
+    tiles = jnp.arange(nk, dtype=jnp.int32)
+    visit = jnp.where(rank[..., None, :] == tiles[:, None], tiles, 0).sum(-1).astype(jnp.int32)
   count = (~skip).sum(-1).astype(jnp.int32)
   if width is not None:
     visit = jnp.pad(visit, [(0, 0)] * 3 + [(0, width - skip.shape[-1])])
