@@ -6,6 +6,7 @@
 #      float64, then its time against our two kernels, the unsplit fused one and cuDNN at causal 8k-32k.
 #   B: issue 16's sweep, the rest of it (session 13 ran sinks_many unpacked, forward): one family and packing
 #      per call, forward and forward+backward.
+#   C: the example DiT's attention time after the skip path's pairwise orderings (notes/kernels.md round 10).
 source notes/experiments/device_env.sh
 source notes/experiments/maxtext_wheels.sh
 GPU_TEST="env JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_MEM_FRACTION=0.15 python3 -m pytest -q -n 6 -m gpu -p no:cacheprovider -rf"
@@ -23,7 +24,12 @@ case "$1" in
         --impls clis online --repeats 5 --inner 3 --out "$OUT/sweep_$2_packed_$3.json"
     grep -E "ms \[" "$OUT/sweep.log"
     ;;
-  *) echo "usage: session14_h200.sh A|B"; exit 2 ;;
+  C)  # the example DiT after the skip path's pairwise orderings (session 13's D, same command, for the time)
+    TAIL=10 step diffusion 240 python3 scripts/bench_diffusion.py --weights examples/video_dit/weights.safetensors \
+        --impls xla cudnn clis clis_skip --schedules " -14:-8" " -10:-4" --repeats 2 --inner 2 \
+        --out "$OUT/diffusion.json"
+    ;;
+  *) echo "usage: session14_h200.sh A|B|C"; exit 2 ;;
 esac
 # At most 8 files come back from $OUT: everything goes back as one archive.
 (cd "$OUT" && tar czf all.tgz --remove-files -- *)
