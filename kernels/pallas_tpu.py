@@ -29,8 +29,8 @@ from clis_kernels.stabilizer import EMPTY_LSE, LOG2E, NEG, Certificate, empty_ro
 class BlockSizes:
   """Forward tiles (block_q, block_k) and backward tiles; multiples of 128 on a real TPU.
   document_ranges: causal packed calls neither fetch nor compute the block pairs where no documents meet
-  (masks.segment_block_ranges, scalar-prefetched; splash attention masks them instead). On by default (bit-identical to the full loops in interpret mode); not timed
-  on a TPU."""
+  (masks.segment_block_ranges, scalar-prefetched; splash attention masks them instead). On by default (bit-identical to the full loops in interpret
+  mode); not timed on a TPU."""
 
   block_q: int = 512
   block_k: int = 512

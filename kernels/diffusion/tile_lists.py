@@ -15,7 +15,7 @@ PAIRWISE_MAX = 64  # rows of at most this many tiles are ordered by pairwise com
 def stable_rank(x):
   """x [..., n] -> the rank of each entry in a stable ascending sort of its row, int32 (argsort(argsort(x))).
   Short rows compare every pair — O(n²) work that XLA fuses into one kernel, where two sorts are two launches
-  apiece (they dominated a small DiT's skip calls); longer rows sort."""
+  apiece (suspected, not yet timed, of a small DiT's per-call skip overhead); longer rows sort."""
   n = x.shape[-1]
   if n > PAIRWISE_MAX:
     return jnp.argsort(jnp.argsort(x, axis=-1, stable=True), axis=-1, stable=True).astype(jnp.int32)
