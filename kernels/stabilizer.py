@@ -5,14 +5,21 @@ t_ij = σ₂·q_i·k_j and softmax weights are 2^(t_ij − M_i) for any stabiliz
 
 Upper bound (before the KV loop). For any centre c, Cauchy–Schwarz gives
     t_ij = σ₂·q_i·c + σ₂·q_i·(k_j − c) ≤ σ₂·q_i·c + σ₂·‖q_i‖·‖k_j − c‖.
-We take c = a robust mean key: the coordinate-wise median of the means of up to
-SAMPLED_BLOCKS key blocks spread evenly over the sequence (padding keys excluded), so a single
-huge key (a sink) cannot loosen rows that never see it, and the centre costs a read of a few
-blocks, not of K (an error δ in c grows the radius by about ‖δ‖²/2R, second order). Causal rows,
-packed or not, take this one centre: their lower bound is the diagonal logit, which needs no
-centre, and keys of other segments in a visible block only widen R (still an upper bound).
-Bidirectional packed rows take their segment's mean, recomputed without outlier keys: their
-lower bound q·c needs c to be the mean of the keys they see.
+Rows whose own key is visible (causal or local, packed or not) take c = a robust mean key: the
+coordinate-wise median of the means of up to SAMPLED_BLOCKS key blocks spread evenly over the
+sequence (padding keys excluded), so a single huge key (a sink) cannot loosen rows that never see
+it, and the centre costs a read of a few blocks, not of K (an error δ in c grows the radius by about
+‖δ‖²/2R, second order). Their lower bound is the diagonal logit, which needs no centre, and keys of
+other segments in a visible block only widen R (still an upper bound).
+Bidirectional rows take a mean of keys they see: their lower bound q·c is a lower bound of the row
+max only when c lies in the convex hull of those keys (then q·c ≤ max_j q·k_j). A coordinate-wise
+median need not: key blocks in three orthogonal clusters have median 0, outside their hull, and a
+query pointing away from all three then gets L above its true max, a certified tile whose weights
+all flush to zero (`testing.hull_escaping`). Unpacked rows take the exact mean k̄ of the real keys:
+one more read of K; with every row seeing every key a sink moves it by only ‖sink‖/N; and for any
+centre c, k̄'s gap ‖q‖·R(k̄) ≤ ‖q‖·(R(c) + ‖c − k̄‖), the gap of c with L corrected down to q·k̄.
+Packed rows take their segment's mean, recomputed without outlier keys (a mean of some visible
+keys, so still inside the hull).
 One pass over K gives, per block u of block_q keys, r_u = max_{j∈u} ‖k_j − c‖; a q tile's radius R is the max of r_u over the blocks it may see
 (causal: up to its diagonal block, a prefix max; bidirectional: all), and
 U_i = σ₂·(q_i·c + ‖q_i‖·R) ≥ max_j t_ij. `key_bounds` is the pass over K and V; `row_bounds`
@@ -20,9 +27,10 @@ is the per-row arithmetic, which the GPU kernel runs in its prologue on the q ti
 loaded, and the XLA pre-pass (`certify_rows`) runs on whole arrays for the other backends.
 
 Lower bound. Causal (or packed, or local): the diagonal key is always visible, so L_i = t_ii.
-Bidirectional: the row sees its whole segment and max ≥ mean, so L_i = σ₂·q_i·c. With separate
-query and key segment ids (cross-attention, decode) a row's own position need not be visible, so
-c is then the exact mean of the keys the row sees and L_i = σ₂·q_i·c (the XLA pre-pass computes it).
+Bidirectional: the row sees its whole segment, c is a mean of keys it sees, and max ≥ mean, so
+L_i = σ₂·q_i·c. With separate query and key segment ids (cross-attention, decode) a row's own
+position need not be visible, so c is then the exact mean of the keys the row sees and
+L_i = σ₂·q_i·c (the XLA pre-pass computes it).
 
 Block centres and exceptional keys (`certify_blocks`, attention(bound="blocks")). Pretrained
 models defeat one centre: an attention-sink key sets R for every row that sees it, and outlier
@@ -161,9 +169,10 @@ def _per_segment(reduce, values: jax.Array, index: jax.Array) -> jax.Array:
 class KeyBounds:
   """What one pass over K and V gives, before any query is seen.
 
-  centre:    [B, 1, Hkv, D] f32, the median of sampled block means; [B, Sq, Hkv, D] when packed
-             and bidirectional: each query's (robust) segment mean, or with separate query and
-             key ids the exact mean of the keys it sees.
+  centre:    [B, 1, Hkv, D] f32: the median of sampled block means (causal, local), or the exact
+             mean of the real keys (bidirectional); [B, Sq, Hkv, D] when packed and bidirectional:
+             each query's (robust) segment mean, or with separate query and key ids the exact mean
+             of the keys it sees.
   radius:    [B, Hkv, num_q_blocks] f32 when causal: max ‖k_j − c‖ over the key blocks (of
              block_q keys) up to the tile's diagonal; [B, Hkv, 1] otherwise (all keys).
   headroom:  [B, Hkv] f32, h.
@@ -240,7 +249,11 @@ def key_bounds(k, v, segment_ids: masks.SegmentIds | None, *, causal: bool, tau:
   key_valid = masks.key_is_real(segment_ids, sk, seq_len)  # [B or 1, Sk]
 
   nb = sk // block_q
-  if causal or segment_ids is None:
+  if segment_ids is None and not causal and window is None:  # L = q·c: c must be a mean of the keys rows see
+    valid = key_valid[..., None, None]
+    centre = key_centre = (jnp.where(valid, kf, 0.0).sum(1, keepdims=True)
+                           / jnp.maximum(valid.sum(1, keepdims=True), 1).astype(jnp.float32))
+  elif causal or segment_ids is None:  # L is the row's own key: any centre serves U
     centre = key_centre = _sampled_median_centre(k, key_valid, block_q)
   elif separate_ids:
     key_centre, centre = _segment_means(kf, key_valid, segment_ids)

@@ -119,6 +119,24 @@ def inputs(family, batch, seq, hq, hkv, d, *, seed=0, dtype=jnp.bfloat16):
   return [x.astype(dtype) for x in (q, k, v, do)] + [seg]
 
 
+def hull_escaping(batch, seq, hq, hkv, d, *, magnitude, run=128, seed=0, dtype=jnp.bfloat16):
+  """(q, k, v, do): keys in runs of `run` positions cycling through three orthogonal clusters (e_0, e_1, e_2,
+  each with a little noise) and queries pointing away from all three, with logits q·k/√d near −magnitude.
+
+  The coordinate-wise median of the means of key blocks of at most `run` keys is then ~0, outside the keys'
+  convex hull, so q·median lies far above every logit: a bidirectional lower bound q·c needs c to be a mean of
+  the keys instead (stabilizer.py), or a certified tile's weights all flush to zero at 16-bit precision.
+  """
+  kq, kk, kv, kd = jax.random.split(jax.random.PRNGKey(seed), 4)
+  cluster = (jnp.arange(seq) // run) % 3
+  k = jax.nn.one_hot(cluster, d)[None, :, None, :] + 0.02 * jax.random.normal(kk, (batch, seq, hkv, d))
+  away = -magnitude * d ** 0.5 * (jnp.arange(d) < 3)
+  q = away * (1.0 + 0.1 * jax.random.normal(kq, (batch, seq, hq, d)))
+  v = jax.random.normal(kv, (batch, seq, hkv, d))
+  do = jax.random.normal(kd, (batch, seq, hq, d))
+  return [x.astype(dtype) for x in (q, k, v, do)]
+
+
 def _lower_for(device_kind, num_cores, platform, lowering_platform):
   def lower(fn, *args):
     device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=num_cores, platform=platform)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from clis_kernels import reference_f64 as ref
-from clis_kernels import reference, stabilizer
+from clis_kernels import reference, stabilizer, testing
 from clis_kernels.plan import Mode
 from clis_kernels.stabilizer import LOG2E, Certificate
 
@@ -81,7 +81,7 @@ def test_bounds_hold_and_certified_tiles_are_within_tau(kind, causal, is_packed,
     _check_sound(cert, q, k, v, seg, causal, scale, tau)
 
 
-def _check_sound(cert, q, k, v, seg, causal, scale, tau, window=None):
+def _check_sound(cert, q, k, v, seg, causal, scale, tau, window=None, block_q=BLOCK_Q):
   """U >= the true row max >= L (f32 slack), certified rows within tau of U, no weight above 2^h."""
   row_max = true_row_max(q, k, seg, causal, scale, window)
   seen = np.isfinite(row_max)
@@ -89,7 +89,7 @@ def _check_sound(cert, q, k, v, seg, causal, scale, tau, window=None):
   slack = 1e-4 * (1 + np.abs(row_max[seen]))  # f32 arithmetic of the bound itself
   assert np.all(upper[seen] >= row_max[seen] - slack), "upper bound below the true max"
   assert np.all(lower[seen] <= row_max[seen] + slack), "lower bound above the true max"
-  tiles = np.repeat(np.asarray(cert.certified), BLOCK_Q, axis=-1)
+  tiles = np.repeat(np.asarray(cert.certified), block_q, axis=-1)
   certified_rows = tiles & seen
   gap = upper - row_max
   assert np.all(gap[certified_rows] <= tau * LOG2E + slack.max()), "a certified row is farther than tau"
@@ -211,17 +211,36 @@ def test_head_granularity_needs_every_tile():
 
 
 def test_sampled_centre_keeps_the_radius_tight_and_ignores_a_sink():
-  """The centre comes from 32 of 256 blocks; the radius about it stays within 2% of the radius
+  """Causal rows' centre comes from 32 of 256 blocks; the radius about it stays within 2% of the radius
   about the median of all block means, and a sink key does not move it."""
   rng = np.random.default_rng(7)
   k = rng.standard_normal((1, 4096, 2, 64)) + 4.0 * rng.standard_normal((1, 1, 2, 64))
   k[0, 1000] *= 100.0  # a sink
   k = jnp.asarray(k, jnp.float32)
   v = jnp.ones_like(k)
-  keys = stabilizer.key_bounds(k, v, None, causal=False, tau=64.0, block_q=16, seq_len=4096)
+  keys = stabilizer.key_bounds(k, v, None, causal=True, tau=64.0, block_q=16, seq_len=4096)
   full = jnp.median(k.reshape(1, 256, 16, 2, 64).mean(2), axis=1, keepdims=True)  # [1, 1, 2, 64]
   assert stabilizer.SAMPLED_BLOCKS < 256
   typical = np.delete(np.asarray(k[0]), 1000, axis=0)  # every key but the sink
   radius = lambda c: np.linalg.norm(typical - np.asarray(c[0]), axis=-1).max(0)  # [2]
   assert np.all(radius(keys.centre) <= 1.02 * radius(full))
   assert float(jnp.linalg.norm(keys.centre - full, axis=-1).max()) < 0.5
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("block_q", [16, 64])
+def test_bidirectional_lower_bound_holds_where_the_median_of_block_means_leaves_the_hull(block_q, dtype):
+  """Key blocks in three orthogonal clusters have a coordinate-wise median of block means near 0, outside
+  the keys' convex hull, and queries pointing away from all three see every logit far below q·median. The
+  bidirectional lower bound q·c must stay below the true row max there (c the exact key mean), for the
+  radius bound's XLA certificate and for the KeyBounds the kernels certify from."""
+  for magnitude in (20.0, 60.0):
+    q, k, v, _ = testing.hull_escaping(1, 384, 2, 1, 64, magnitude=magnitude, dtype=dtype)
+    scale = 1 / 8
+    cert = stabilizer.certify(q, k, v, None, causal=False, scale=scale, tau=128.0, granularity="tile",
+                              block_q=block_q, seq_len=384)
+    _check_sound(cert, q, k, v, None, False, scale, 128.0, block_q=block_q)
+    assert float(cert.certified.mean()) == 1.0  # the mean's gap is certifiable here: the tiles run the fixed loop
+    keys = stabilizer.key_bounds(k, v, None, causal=False, tau=128.0, block_q=block_q, seq_len=384)
+    mean = jnp.asarray(k, jnp.float32).mean(1, keepdims=True)
+    np.testing.assert_allclose(np.asarray(keys.centre), np.asarray(mean), rtol=1e-5, atol=1e-6)
