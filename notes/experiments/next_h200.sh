@@ -1,7 +1,9 @@
 # The next device session's plan (issue 17's D 128 backward, issue 16's sweep), each call well inside 600 s.
+# Written for session 14, which was lent no device; unchanged but for A's tests, which now also run the
+# shared base's hull_escaping case on the Mosaic GPU kernels (the bidirectional centre fixed in session 14).
 # carry [".whl", ".whl-maxtext"] (remake them as notes/experiments/maxtext_wheels.sh and the device README say:
 # grain, array_record, portpicker, tokamax, immutabledict, qwix, pydantic, pydantic_core, annotated-types,
-# typing-inspection, einshape, tensorboardX); from the repository root: `bash notes/experiments/session14_h200.sh A`.
+# typing-inspection, einshape, tensorboardX); from the repository root: `bash notes/experiments/next_h200.sh A`.
 #   A: GPU tests of the split-dQ fused backward (BlockSizes(fused_dq=True, split_dq=True), head dim 128) against
 #      float64, then its time against our two kernels, the unsplit fused one and cuDNN at causal 8k-32k.
 #   B: issue 16's sweep, the rest of it (session 13 ran sinks_many unpacked, forward): one family and packing
@@ -13,7 +15,7 @@ GPU_TEST="env JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_MEM_FRACTION=0.15 python3 -m 
 case "$1" in
   A)
     TAIL=8 step split_check 150 python3 notes/experiments/split_dq_check.py --out "$OUT/split_dq_check.json"
-    TAIL=15 step tests 200 $GPU_TEST tests/test_pallas_mgpu.py -k "backward_matches"
+    TAIL=15 step tests 200 $GPU_TEST tests/test_pallas_mgpu.py -k "backward_matches or hull"
     TAIL=30 step split_bwd 300 python3 scripts/bench_attention.py --suite llm --seq-lens 8192 16384 32768 \
         --tokens 32768 --packed no --passes bwd fwd_bwd --impls clis clis_fused_bwd clis_split_bwd cudnn \
         --repeats 7 --inner 3 --out "$OUT/split_bwd.json"
@@ -29,7 +31,7 @@ case "$1" in
         --impls xla cudnn clis clis_skip --schedules " -14:-8" " -10:-4" --repeats 2 --inner 2 \
         --out "$OUT/diffusion.json"
     ;;
-  *) echo "usage: session14_h200.sh A|B|C"; exit 2 ;;
+  *) echo "usage: next_h200.sh A|B|C"; exit 2 ;;
 esac
 # At most 8 files come back from $OUT: everything goes back as one archive.
 (cd "$OUT" && tar czf all.tgz --remove-files -- *)
