@@ -199,6 +199,13 @@ def _sampled_median_centre(k, key_valid, block: int):
   return jnp.nanmedian(jnp.where(count > 0, block_mean, jnp.nan), axis=1, keepdims=True)
 
 
+def real_key_mean(kf, key_valid):
+  """[B, Hkv, D] f32: the mean of the real keys of kf [B, Sk, Hkv, D] (key_valid [B or 1, Sk]), the centre whose
+  q·c is a lower bound of every bidirectional unpacked row's max (max ≥ mean)."""
+  valid = key_valid[..., None, None]
+  return jnp.where(valid, kf, 0.0).sum(1) / jnp.maximum(valid.sum(1), 1)
+
+
 def _robust_segment_mean(kf, key_valid, index):
   """Each position's segment mean key [B, Sk, Hkv, D], recomputed without the segment's
   outliers (keys farther than 4x its mean distance)."""
@@ -250,9 +257,7 @@ def key_bounds(k, v, segment_ids: masks.SegmentIds | None, *, causal: bool, tau:
 
   nb = sk // block_q
   if segment_ids is None and not causal and window is None:  # L = q·c: c must be a mean of the keys rows see
-    valid = key_valid[..., None, None]
-    centre = key_centre = (jnp.where(valid, kf, 0.0).sum(1, keepdims=True)
-                           / jnp.maximum(valid.sum(1, keepdims=True), 1).astype(jnp.float32))
+    centre = key_centre = real_key_mean(kf, key_valid)[:, None]
   elif causal or segment_ids is None:  # L is the row's own key: any centre serves U
     centre = key_centre = _sampled_median_centre(k, key_valid, block_q)
   elif separate_ids:
@@ -505,8 +510,7 @@ def block_row_bounds(q, k, segment_ids, bounds: BlockBounds, *, causal: bool, sc
   else:
     key_valid = masks.key_is_real(segment_ids, sk, kv_len)[..., None, None]
     if segment_ids is None:
-      mean = jnp.where(key_valid, kf, 0.0).sum(1) / jnp.maximum(key_valid.sum(1), 1)  # [B, Hkv, D]
-      lower = jnp.einsum("bihgd,bhd->bihg", qg, mean) * sigma2
+      lower = jnp.einsum("bihgd,bhd->bihg", qg, real_key_mean(kf, key_valid[..., 0, 0])) * sigma2
     else:
       _, centre = _segment_means(kf, key_valid[..., 0, 0], segment_ids)  # [B, Sq, Hkv, D]
       lower = jnp.einsum("bihgd,bihd->bihg", qg, centre) * sigma2
