@@ -10,6 +10,7 @@ Layout: tokens [B, S] int32; positions and segment_ids [B, S] from packing (segm
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import flax.linen as nn
@@ -48,6 +49,8 @@ PRESETS = {
     "small": ModelDims(vocab_size=32000, dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_dim=2048),
     "1b": ModelDims(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192,
                     tie_embeddings=True),  # Llama-3.2-1B's shape
+    "3b": ModelDims(vocab_size=128256, dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim=8192,
+                    tie_embeddings=True),  # Llama-3.2-3B's shape (head dim 128)
     "8b": ModelDims(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336),
 }
 
@@ -58,7 +61,7 @@ class RMSNorm(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), jnp.float32)
+    scale = self.param("scale", INITIALIZERS["scale"], (x.shape[-1],), jnp.float32)
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
     return (x32 * scale).astype(self.dtype)
@@ -74,9 +77,15 @@ def rope(x, positions, theta):
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+# Every parameter's initialiser, by its leaf name: the modules below take theirs from here, and
+# `init_params` draws each leaf from it directly, so initialising never traces the forward.
+WEIGHT_INIT = nn.initializers.normal(0.02)  # Dense kernels and the embedding
+INITIALIZERS = {"kernel": WEIGHT_INIT, "embedding": WEIGHT_INIT, "scale": nn.initializers.ones}
+
+
 def _dense(features, name, dtype):
   return nn.Dense(features, use_bias=False, dtype=dtype, param_dtype=jnp.float32, name=name,
-                  kernel_init=nn.initializers.normal(0.02))
+                  kernel_init=INITIALIZERS["kernel"])
 
 
 def cached_attention(q, k_cache, v_cache, positions):
@@ -163,7 +172,7 @@ class Transformer(nn.Module):
   def __call__(self, tokens, positions, segment_ids):
     """Returns float32 logits [B, S, vocab]."""
     embed = nn.Embed(self.dims.vocab_size, self.dims.dim, dtype=self.dtype, param_dtype=jnp.float32,
-                     embedding_init=nn.initializers.normal(0.02), name="embed")
+                     embedding_init=INITIALIZERS["embedding"], name="embed")
     block = Block
     if self.remat != "none":
       policy = jax.checkpoint_policies.checkpoint_dots if self.remat == "dots" else None
@@ -175,6 +184,35 @@ class Transformer(nn.Module):
     if self.dims.tie_embeddings:
       return embed.attend(x).astype(jnp.float32)
     return _dense(self.dims.vocab_size, "lm_head", self.dtype)(x).astype(jnp.float32)
+
+
+def abstract_params(transformer: Transformer, batch_shape: tuple[int, int]):
+  """The parameter tree as ShapeDtypeStructs, from tokens of `batch_shape` [B, S] traced abstractly
+  (jax.eval_shape: nothing is compiled)."""
+  tokens = jax.ShapeDtypeStruct(batch_shape, jnp.int32)
+  return jax.eval_shape(transformer.init, jax.random.PRNGKey(0), tokens, tokens, tokens)["params"]
+
+
+def init_params(abstract, rng, shardings=None):
+  """Draws every leaf of `abstract` (abstract_params's tree) from INITIALIZERS by its name, leaf i from
+  fold_in(rng, i), each by a small jitted program made once per (initialiser, shape, sharding) and placed by
+  `shardings` (a tree like `abstract`; None: the default device). Nothing of the forward is traced, and layers
+  of one shape share one compile: one program for the whole tree compiled for a minute on the H200."""
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+  placements = [None] * len(leaves) if shardings is None else jax.tree.leaves(shardings)
+  out = []
+  for i, ((path, leaf), sharding) in enumerate(zip(leaves, placements)):
+    name = str(getattr(path[-1], "key", path[-1]))
+    if name not in INITIALIZERS:
+      raise ValueError(f"parameter {jax.tree_util.keystr(path)} has no initialiser: add {name!r} to INITIALIZERS")
+    out.append(_leaf_initializer(name, leaf.shape, jnp.dtype(leaf.dtype), sharding)(rng, i))
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+@functools.cache
+def _leaf_initializer(name, shape, dtype, sharding):
+  init = INITIALIZERS[name]
+  return jax.jit(lambda rng, i: init(jax.random.fold_in(rng, i), shape, dtype), out_shardings=sharding)
 
 
 def resolve_dims(model_cfg, tokenizer_vocab: int) -> ModelDims:

@@ -115,14 +115,22 @@ class Trainer:
     self._compile()
 
   # ------------------------------------------------------------------ state and steps
-  def _init_state(self, rng):
-    rows = self.mesh.shape["data"] * self.mesh.shape["fsdp"]  # one row per batch shard
-    dummy = jnp.zeros((rows, self.cfg.data.seq_len), jnp.int32)
-    params = self.model.init(rng, dummy, dummy, jnp.ones_like(dummy))["params"]
+  def _state_from(self, params):
     return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": self.optimizer.init(params)}
 
+  def init_state(self, rng):
+    """A fresh state, sharded: parameters drawn leaf by leaf (model.init_params: one small program per parameter
+    shape, no forward and no attention kernel traced or compiled), then the optimizer's zeros."""
+    return self.init_state_from(model.init_params(self.abstract_params, rng, self.param_shardings))
+
+  def init_state_from(self, params):
+    """The state at step 0 around `params` (sharded as self.param_shardings)."""
+    return self._init_from(params)
+
   def _compile(self):
-    abstract = jax.eval_shape(self._init_state, jax.random.PRNGKey(0))
+    rows = self.mesh.shape["data"] * self.mesh.shape["fsdp"]  # one row per batch shard
+    self.abstract_params = model.abstract_params(self.model, (rows, self.cfg.data.seq_len))
+    abstract = jax.eval_shape(self._state_from, self.abstract_params)
     self.param_shardings = jax.tree_util.tree_map_with_path(
         lambda p, x: NamedSharding(self.mesh, _param_spec(p, x, self.mesh)), abstract["params"])
     self.state_shardings = {
@@ -134,7 +142,7 @@ class Trainer:
     }
     self.abstract_state = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
                                        abstract, self.state_shardings)
-    self.init_state = jax.jit(self._init_state, out_shardings=self.state_shardings)
+    self._init_from = jax.jit(self._state_from, out_shardings=self.state_shardings)
     self.train_step = jax.jit(self._train_step, in_shardings=(self.state_shardings, self.batch_sharding),
                               out_shardings=(self.state_shardings, None), donate_argnums=0)
     self.eval_step = jax.jit(self._loss, in_shardings=(self.param_shardings, self.batch_sharding))
@@ -198,8 +206,11 @@ class Trainer:
     batches = data.packed_batches(examples.train, seq_len=cfg.data.seq_len, batch_size=self.global_batch,
                                   seed=cfg.seed, packing_bins=cfg.data.packing_bins)
     mngr = checkpoint.manager(cfg.run_dir, every=cfg.checkpoint.every, keep=cfg.checkpoint.keep)
+    t_init = time.perf_counter()
     try:
       start, state = self._start(mngr, batches)
+      jax.block_until_ready(state)
+      init_s = time.perf_counter() - t_init
     except BaseException:
       mngr.close()
       raise
@@ -232,6 +243,10 @@ class Trainer:
           state, metrics = self.train_step(state, batch)
           steps_since += 1
           done = step + 1
+          if done == start + 1:  # the first step's compile, and when it ended (scripts/h200 measure time to it)
+            jax.block_until_ready(metrics)
+            say(f"first step done at unix time {time.time():.2f}: state ready in {init_s:.1f} s, first step "
+                f"(compile and run) {time.perf_counter() - t_init - init_s:.1f} s")
           if not bool(metrics["finite"]):  # checked every step: a non-finite update is never saved
             bad_in_a_row += 1
             values = {k: float(v) for k, v in jax.device_get(metrics).items() if k != "finite"}
@@ -296,10 +311,6 @@ class Trainer:
       raise TrainingError(f"step {step}: could not write the checkpoint under {mngr.directory} ({e.strerror or e}); "
                           f"free space or point run_dir elsewhere. {_kept(saved)}") from e
     return step
-
-  def init_state_from(self, params):
-    return jax.jit(lambda p: {"step": jnp.zeros((), jnp.int32), "params": p, "opt_state": self.optimizer.init(p)},
-                   out_shardings=self.state_shardings)(params)
 
   def evaluate(self, params, eval_examples) -> float:
     """Mean loss over cfg.train.eval_batches packed batches of held-out data (same batches every time)."""

@@ -32,7 +32,7 @@ import numpy as np
 
 from clis_kernels import api, attention, masks, pallas_mgpu, pallas_mgpu_vjp, stabilizer, testing
 from clis_kernels import plan as plan_lib
-from clis_bench import benchmarking
+from clis_train import benchmarking
 
 
 def _inputs(b, s, hq, hkv, d, packed, seed=0, family="gaussian", dtype=jnp.bfloat16, doc_len=None):

@@ -12,8 +12,9 @@ thr −1e4, which marks nothing): what skipping alone moved, apart from any kern
 are rewritten after every variant, so a run cut short keeps what it measured; at the end come a markdown table, a PNG plot of sparsity and attention time per step, and an image strip of
 dense and accelerated samples (same stem).
 
-  python scripts/bench_diffusion.py --weights examples/video_dit/weights.safetensors --out benchmarks/results/x.json
-  python scripts/bench_diffusion.py --quick --out /tmp/diff.json     # tiny random model, CPU
+Run it as a module from the repository root (it imports the example, examples/video_dit):
+  python -m scripts.bench_diffusion --weights examples/video_dit/weights.safetensors --out benchmarks/results/x.json
+  python -m scripts.bench_diffusion --quick --out /tmp/diff.json     # tiny random model, CPU
 (schedules start with "-": quote them with a leading space, --schedules " -14:-8" " -10:-4", or argparse
 reads them as options)
 """
@@ -25,18 +26,15 @@ import functools
 import json
 import math
 import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-from clis_kernels import diffusion  # noqa: E402
-from clis_bench import benchmarking  # noqa: E402
-from examples.video_dit import sampler, train  # noqa: E402
-from examples.video_dit.model import VideoDiT  # noqa: E402
+from clis_kernels import diffusion
+from clis_train import benchmarking
+from examples.video_dit import sampler, train
+from examples.video_dit.model import VideoDiT
 
 
 def quality(video, reference):

@@ -106,7 +106,7 @@ def plot(result: dict, path: pathlib.Path) -> None:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  from clis_bench import benchmarking
+  from clis_train import benchmarking
   ran = [r for r in result["variants"] if r["steps"]]
   fig, (loss_ax, speed_ax) = plt.subplots(1, 2, figsize=(10, 4))
   for r in ran:
@@ -133,7 +133,7 @@ def main(argv=None):
   args = parser.parse_args(argv)
   args.config = args.config or maxtext_config()
   import jax
-  from clis_bench import benchmarking
+  from clis_train import benchmarking
   path = pathlib.Path(args.out)
   path.parent.mkdir(parents=True, exist_ok=True)
   records = []

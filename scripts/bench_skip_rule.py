@@ -18,16 +18,12 @@ from __future__ import annotations
 import argparse
 import functools
 import math
-import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-from clis_kernels import attention, diffusion, plan  # noqa: E402
-from clis_bench import benchmarking  # noqa: E402
+from clis_kernels import attention, diffusion, plan
+from clis_train import benchmarking
 
 
 def video_inputs(key, grid, heads: int, head_dim: int, *, length: float, sharpness: float, dtype):

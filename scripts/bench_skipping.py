@@ -2,7 +2,7 @@
 
 Bidirectional attention (B 1, H heads, D 128) at each sequence length; for each fraction f,
 a skip state marking f of the kv tiles of every (head, q tile) at random, then each skip kernel
-through diffusion.attention — `mgpu_skip` (kernels/diffusion/pallas_mgpu_skip.py, Hopper's default) and
+through diffusion.attention — `mgpu_skip` (kernels/clis_kernels/diffusion/pallas_mgpu_skip.py, Hopper's default) and
 `triton_skip` (pallas_gpu_skip.py), thr = −inf so no marking work; and with marking, `*_track` — timed
 round-robin with the dense kernels of the same call (clis, online, clis_mgpu, online_mgpu, cuDNN).
 Records the median ms with [min, max]; the markdown table adds each skip variant's time relative to its
@@ -16,16 +16,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-from clis_kernels import attention, diffusion, plan  # noqa: E402
-from clis_bench import benchmarking  # noqa: E402
+from clis_kernels import attention, diffusion, plan
+from clis_train import benchmarking
 
 
 def random_marks(key, state: diffusion.SkipState, fraction: float) -> diffusion.SkipState:

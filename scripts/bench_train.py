@@ -3,7 +3,10 @@
 Builds one Trainer per attention value (same config, same data, same initial weights),
 compiles and warms each up, then runs timed steps round-robin (A B A B ...) so that the
 variants share the machine's state. Per step: wall time (after block_until_ready), tokens/s
-and MFU; the median over the timed steps is reported and each step's time kept (step_ms).
+and MFU; the median over the timed steps is reported and each step's time kept (step_ms). Every trainer
+draws the same batches in the same order, so step i of each saw the same documents: the first attention's
+speed-up over each other one is also given per step in pairs (document ranges make step time depend on the
+batch, so unpaired medians mislead). Per trainer, the setup times: trainer and data, init, warm-up.
 Writes JSON records, a markdown table and a PNG plot.
 
   python scripts/bench_train.py recipes/cpt.yaml --attentions clis online --steps 6 \
@@ -19,7 +22,7 @@ import time
 
 import jax
 
-from clis_bench import benchmarking
+from clis_train import benchmarking
 from clis_train import data, model
 from clis_train.config import load_config
 from clis_train.train import Trainer, peak_flops_per_device
@@ -34,20 +37,25 @@ def main():
   parser.add_argument("--steps", type=int, default=6)
   parser.add_argument("--out", default=None, help="JSON path (.md table and .png plot beside it)")
   args = parser.parse_intermixed_args()
-  trainers, states, batches = {}, {}, {}
+  trainers, states, batches, setup = {}, {}, {}, {}
   for name in args.attentions:
     cfg = load_config(args.recipe, [*args.overrides, f"attention={name}", "train.progress_bar=false"])
+    t0 = time.perf_counter()
     t = Trainer(cfg)
     examples = data.build_examples(cfg.data, t.tokenizer)
     batches[name] = data.packed_batches(examples.train, seq_len=cfg.data.seq_len, batch_size=t.global_batch,
                                         seed=cfg.seed, packing_bins=cfg.data.packing_bins)
-    states[name] = t.init_state(jax.random.PRNGKey(cfg.seed))
+    t1 = time.perf_counter()
+    states[name] = jax.block_until_ready(t.init_state(jax.random.PRNGKey(cfg.seed)))
+    t2 = time.perf_counter()
     trainers[name] = t
-    t0 = time.perf_counter()
     for _ in range(args.warmup):
       states[name], metrics = t.train_step(states[name], jax.device_put(next(batches[name]), t.batch_sharding))
       jax.block_until_ready(metrics)
-    print(f"{name}: compiled and warmed up in {time.perf_counter() - t0:.1f} s", flush=True)
+    t3 = time.perf_counter()
+    setup[name] = dict(trainer_s=round(t1 - t0, 2), init_s=round(t2 - t1, 2), warmup_s=round(t3 - t2, 2))
+    print(f"{name}: trainer and data {t1 - t0:.1f} s, init (compile and run) {t2 - t1:.1f} s, "
+          f"compiled and warmed up in {t3 - t2:.1f} s", flush=True)
   times = {name: [] for name in trainers}
   last = {}
   for _ in range(args.steps):
@@ -72,7 +80,7 @@ def main():
                         Hkv=dims.n_kv_heads, D=dims.head_dim, causal=True, params=dims.num_params(),
                         device=jax.devices()[0].device_kind, devices=t.mesh.size, jax_version=jax.__version__,
                         date=datetime.date.today().isoformat(), repeat=args.steps, last_loss=last[name]["loss"],
-                        certified_fraction=last[name]["certified_fraction"]))
+                        certified_fraction=last[name]["certified_fraction"], **setup[name]))
   base = {r["impl"]: r["tokens_per_s"] for r in records}
   for r in records:
     online = base.get(benchmarking.online_baseline(r["impl"]))
@@ -80,6 +88,13 @@ def main():
     print(f"{r['case']:14s} {r['impl']:12s} {r['ms']:9.1f} ms/step [{r['ms_min']:.1f}, {r['ms_max']:.1f}]  "
           f"{r['tokens_per_s']:9.0f} tok/s  MFU {r['mfu'] if r['mfu'] is None else round(r['mfu'], 3)}  "
           f"loss {r['last_loss']:.3f}  certified {r['certified_fraction']:.2f}", flush=True)
+  first = args.attentions[0]  # every trainer draws the same batches in the same order: compare steps in pairs
+  for r in records:
+    pairs = [a / b for a, b in zip(times[r["impl"]], times[first])]
+    r[f"paired_speedup_of_{first}"] = dict(median=statistics.median(pairs), min=min(pairs), max=max(pairs))
+    if r["impl"] != first:
+      print(f"{first} / {r['impl']} tokens/s, per step in pairs: median {statistics.median(pairs):.3f} "
+            f"[{min(pairs):.3f}, {max(pairs):.3f}]", flush=True)
   out = args.out or benchmarking.default_output(f"train_{records[0]['case']}")
   benchmarking.write_report(records, out, value="tokens_per_s")
   print("wrote", out)

@@ -19,7 +19,7 @@ import time
 import jax
 import numpy as np
 
-from clis_bench import benchmarking
+from clis_train import benchmarking
 from clis_train import data, model
 from clis_train.config import load_config
 from clis_train.train import Trainer, peak_flops_per_device

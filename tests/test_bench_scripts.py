@@ -50,7 +50,7 @@ def test_bench_train_tiny(tmp_path):
 
 def test_bench_diffusion_quick(tmp_path):
   out = tmp_path / "diffusion.json"
-  _run("scripts/bench_diffusion.py", "--quick", "--out", str(out))
+  _run("-m", "scripts.bench_diffusion", "--quick", "--out", str(out))
   records = json.loads(out.read_text())
   assert {r["impl"] for r in records} == {"xla", "clis", "clis_skip[-10000:-10000]", "clis_skip[-6:-2]",
                                           "clis_skip[cal 0.01]"}

@@ -3,7 +3,7 @@ tokens, cross-attention to the condition tokens, adaLN modulation, flow-matching
 
 Self-attention has one call site; the caller passes `attend(q, k, v, state) -> (out, state,
 aux)` so the sampler chooses the backend (dense XLA, cuDNN, our online or CLiS kernel) and
-threads each layer's skip state (kernels/diffusion) through the steps. Video [B, T, H, W, 3].
+threads each layer's skip state (kernels/clis_kernels/diffusion) through the steps. Video [B, T, H, W, 3].
 """
 
 from __future__ import annotations

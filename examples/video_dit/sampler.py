@@ -2,7 +2,7 @@
 
 `make_attend(name)` gives the model's self-attention: "xla" (dense jax.nn), "cudnn", "online"
 and "clis" (clis_kernels.attention, bidirectional), and "clis_skip" / "online_skip"
-(kernels/diffusion temporal tile skipping, one SkipState per layer threaded by the sampler,
+(kernels/clis_kernels/diffusion temporal tile skipping, one SkipState per layer threaded by the sampler,
 thr per step from `diffusion.threshold_schedule`).
 """
 

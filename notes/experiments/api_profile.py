@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from clis_kernels import attention, testing
-from clis_bench import benchmarking
+from clis_train import benchmarking
 
 CASES = {  # name: (seq, q heads, kv heads, causal, documents or 0)
     "causal_S8192_H32_8": (8192, 32, 8, True, 0),

@@ -15,7 +15,7 @@ import json
 import jax
 import jax.numpy as jnp
 
-from clis_bench import benchmarking
+from clis_train import benchmarking
 from clis_kernels import masks, stabilizer, testing
 
 

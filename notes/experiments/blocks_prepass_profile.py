@@ -12,7 +12,7 @@ import json
 
 import jax
 
-from clis_bench import benchmarking
+from clis_train import benchmarking
 from clis_kernels import pallas_gpu_bounds, stabilizer, testing
 
 

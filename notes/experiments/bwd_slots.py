@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from clis_kernels import attention, pallas_mgpu_vjp, testing
-from clis_bench import benchmarking
+from clis_train import benchmarking
 
 CASES = {"causal_S8192_B4": (4, 8192), "causal_S32768_B1": (1, 32768)}  # GQA 32/8, D 128, 32k tokens
 

@@ -1,6 +1,6 @@
 # Source on the device machine (H200) before running anything from the repository root:
 #   source notes/experiments/device_env.sh
-# Makes `clis_kernels` and `clis_bench` importable (kernels/ and benchmarks/ under their package names), installs the wheels
+# Makes `clis_kernels` and `clis_bench` importable (kernels/clis_kernels/ and benchmarks/ under their package names), installs the wheels
 # carried in .whl/ (grain, tokamax, ...: pass carry [".whl"]) into /tmp/site, and sets the paths.
 mkdir -p /tmp/pk && ln -sfn "$PWD/kernels" /tmp/pk/clis_kernels && ln -sfn "$PWD/benchmarks" /tmp/pk/clis_bench
 if ls .whl/*.whl >/dev/null 2>&1; then

@@ -1,6 +1,6 @@
 """H200 experiment: which parts of the CLiS forward cost time (notes/kernels.md, issue 4).
 
-A trimmed copy of kernels/pallas_gpu.py's forward (no segments, no block padding) with knobs:
+A trimmed copy of kernels/clis_kernels/pallas_gpu.py's forward (no segments, no block padding) with knobs:
   lsum:   how a certified row sums its weights: "roundtrip" (Σ f32(bf16(p)), committed),
           "f32" (Σ p, run 1), "mma" (Σ bf16(p) by the tensor core: p·ones[bk, 16]).
   cond:   True = certified/online lax.cond in one kernel (committed); False = fixed loop only.
@@ -29,7 +29,7 @@ from jax.experimental.pallas import triton as plgpu
 from clis_kernels import attention, masks, pallas_gpu, stabilizer
 from clis_kernels.plan import Mode
 from clis_kernels.stabilizer import LOG2E, NEG
-from clis_bench import benchmarking
+from clis_train import benchmarking
 
 
 def key_stats(k, v, *, causal, seq_len, tau=64.0):

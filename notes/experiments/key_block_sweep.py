@@ -11,7 +11,7 @@ import json
 
 import jax
 
-from clis_bench import benchmarking
+from clis_train import benchmarking
 from clis_kernels import attention, stabilizer, testing
 
 KEY_BLOCKS = (16, 32, 64)

@@ -14,7 +14,7 @@ import pathlib
 import jax
 import jax.numpy as jnp
 
-from clis_bench import benchmarking
+from clis_train import benchmarking
 from clis_kernels import attention, pallas_mgpu, testing
 from clis_kernels import reference_f64 as ref
 

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from clis_kernels import attention, pallas_mgpu, stabilizer
 from clis_kernels.plan import Mode
-from clis_bench import benchmarking
+from clis_train import benchmarking
 
 CASES = {"causal_S8192_H32_8": (8192, 32, 8, True), "bidir_S32768_H12": (32768, 12, 12, False)}
 

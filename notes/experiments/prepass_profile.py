@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from clis_kernels import stabilizer
-from clis_bench import benchmarking
+from clis_train import benchmarking
 from notes.experiments.mgpu_variants import CASES, case_inputs
 
 

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from clis_kernels import attention
-from clis_bench import benchmarking
+from clis_train import benchmarking
 
 
 def rope(x, theta):

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from clis_kernels import attention, pallas_mgpu_vjp, testing
-from clis_bench import benchmarking
+from clis_train import benchmarking
 from notes.experiments.bwd_slots import backward
 
 VARIANTS = {"two_kernel": pallas_mgpu_vjp.BlockSizes(fused_dq=False),

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from clis_kernels import attention, pallas_gpu
-from clis_bench import benchmarking
+from clis_train import benchmarking
 
 CONFIGS = [  # (block_q, block_k, block_k_fixed, num_warps, num_stages)
     (128, 128, 64, 8, 3), (128, 128, 128, 8, 2), (128, 64, 64, 8, 3), (128, 128, 32, 8, 3),

@@ -92,7 +92,7 @@ def forward(q, k, v, segment_ids, stab: Certificate | None, *, mode: Mode, causa
 
 def forward_with_tiles(q, k, v, segment_ids, cert, *, causal, scale, kv_len, block_sizes, tile_skip=None,
                        tile_gap=False, window=None, softcap=None):
-  """`forward`, plus per-tile control for temporal skipping (kernels/diffusion).
+  """`forward`, plus per-tile control for temporal skipping (kernels/clis_kernels/diffusion).
 
   tile_skip: [B, Hq, nq, nk] bool, (q tile, kv tile) pairs to leave out, or None.
   tile_gap: also return (gap [B, Hq, S, nk], log2_l [B, Hq, S]): each row's max base-2 logit

@@ -22,7 +22,7 @@ The kernel in named parts: `_Config` (static), `_Refs`, `_Scratch` / `_KeysScrat
 (shared memory and barriers), `_Rows` (one compute warpgroup's runtime values); `_kernel` →
 `_compute_warpgroup` (prologue) → `_certify_here` (`_bound_rows`, `_decide`) or `_read_certificate`
 → `_attend` (`_step` / `_overlapped_step` per KV block, `_drain`) → `_epilogue`; the memory
-warpgroup runs mgpu_pipeline.stream_kv. `forward_listed` (temporal skipping, kernels/diffusion) runs the same
+warpgroup runs mgpu_pipeline.stream_kv. `forward_listed` (temporal skipping, kernels/clis_kernels/diffusion) runs the same
 kernel over a kept-tile list per CTA (`_ListScratch`, `_listed_range`, `_list_entry`) and can write each
 visited block's row maxima (`_record_row_max`).
 """
@@ -750,7 +750,7 @@ def forward(q, k, v, segment_ids, stab: KeyBounds | Certificate | None, *, mode:
 
 def forward_listed(q, k, v, visit, stab: KeyBounds | None, *, mode: Mode, scale, kv_len, block_sizes: BlockSizes,
                    track: bool):
-  """Bidirectional, unpacked attention over kept-tile lists (kernels/diffusion's temporal skipping): the CTA
+  """Bidirectional, unpacked attention over kept-tile lists (kernels/clis_kernels/diffusion's temporal skipping): the CTA
   of q tile u (2·block_q rows) walks KV blocks visit[b, h, u, :count], count = visit[b, h, u, -1]; the memory
   warpgroup loads only those blocks, and both loops (certified, online) walk them.
   Returns (o, lse, certified [B, Hq, S/64] or None, rowmax [B, Hq, KV blocks, S] f32 or None): with track,

@@ -1,6 +1,6 @@
 """Bidirectional CLiS forward (Triton) that visits only the kv tiles of a per-tile list.
 
-Grid (q_block, batch, head), as kernels/pallas_gpu.py. Each program reads its row of
+Grid (q_block, batch, head), as kernels/clis_kernels/pallas_gpu.py. Each program reads its row of
 `visit` [B, H, nq, nk_pad] (kv tile indices to visit, kept tiles first, in order) and
 `count` [B, H, nq], and loops over the first `count` entries: a skipped tile is never
 loaded, so the time saved tracks the fraction skipped. The certificate is computed in the
@@ -86,7 +86,7 @@ def _kernel(q_ref, k_ref, v_ref, visit_ref, count_ref, *refs, certify: bool, tra
 
 def forward(q, k, v, skip, stab, *, mode: Mode, scale: float, kv_len: int | None, seq_len: int,
             block_sizes: BlockSizes, track: bool, interpret: bool = False):
-  """The skip-forward contract of kernels/diffusion (skipping.py calls every backend's so): q, k, v padded
+  """The skip-forward contract of kernels/clis_kernels/diffusion (skipping.py calls every backend's so): q, k, v padded
   to whole tiles ([B, S, H, D], [B, Sk, Hkv, D]); skip [B, H, nq, nk] bool (SkipState.skip); stab as
   plan.stabilizer_inputs takes it for `mode`
   (KeyBounds or None: this kernel certifies in its prologue). Returns (o, gap [B, H, nq, nk], log2_l [B, H, nq])."""

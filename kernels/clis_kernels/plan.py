@@ -82,7 +82,7 @@ class Entry:
   interpretable: bool = True  # runs in Pallas interpret mode
   hopper_only: bool = False
   window_and_soft_cap: bool = True
-  skip: str | None = None  # the temporal-skipping forward (kernels/diffusion), if it has one
+  skip: str | None = None  # the temporal-skipping forward (kernels/clis_kernels/diffusion), if it has one
   automatic: bool = True  # may implementation=None pick it
   backward_tiles: str | None = None  # module with the backward's BlockSizes (None: the forward's)
   row_bounds: str | None = None  # module of the block bound's (U, L) kernel (Mode.BLOCKS), None: XLA
@@ -104,7 +104,7 @@ class Entry:
     if call.window_or_cap and not self.window_and_soft_cap:
       return "has no local window or logits soft cap; use 'pallas_gpu' (or implementation=None, which picks it)"
     if call.skipping and self.skip is None:
-      return ("has no temporal-skipping forward (kernels/diffusion); use 'pallas_mgpu', 'pallas_gpu', 'pallas_tpu' "
+      return ("has no temporal-skipping forward (kernels/clis_kernels/diffusion); use 'pallas_mgpu', 'pallas_gpu', 'pallas_tpu' "
               "or 'reference'")
     check = getattr(_module(self.forward), "supports", None)
     if automatic and check is not None and not check(call.dtype, call.head_dim):

@@ -20,7 +20,7 @@ from clis_kernels.stabilizer import NEG
 
 def forward(q, k, v, skip, stab, *, mode: Mode, scale: float, kv_len: int | None, seq_len: int,
             block_sizes: pallas_mgpu.BlockSizes, track: bool, interpret: bool = False):
-  """The skip-forward contract of kernels/diffusion (see pallas_gpu_skip.forward): q, k, v padded to whole
+  """The skip-forward contract of kernels/clis_kernels/diffusion (see pallas_gpu_skip.forward): q, k, v padded to whole
   tiles; skip [B, H, nq, nk] bool with nq = S / (2·block_q), nk = Sk / block_kv; stab KeyBounds (Mode.KEYS:
   each warpgroup certifies its rows in the prologue) or None (Mode.ONLINE).
   Returns (o, gap [B, H, nq, nk] (NEG where skipped or not tracked), log2_l [B, H, nq] (zeros))."""

@@ -1,6 +1,6 @@
 """Bidirectional CLiS forward (Pallas TPU) that visits only the kv tiles of a per-tile list.
 
-Splash-attention habits, as kernels/pallas_tpu.py: head-major layout, grid (batch, head, q block,
+Splash-attention habits, as kernels/clis_kernels/pallas_tpu.py: head-major layout, grid (batch, head, q block,
 step) with the step axis sequential. `visit` [B, H, nq, nk] (kept tiles first, in order),
 `count` [B, H, nq] and the certificate's tile flags arrive as scalar-prefetched SMEM tables; the
 K/V index maps fetch tile visit[b, h, i, min(step, count − 1)], so the steps past `count` repeat
@@ -72,7 +72,7 @@ def _kernel(visit_ref, count_ref, cert_ref, q_ref, k_ref, v_ref, m_in_ref, o_ref
 
 def forward(q, k, v, skip, stab, *, mode: Mode, scale: float, kv_len: int | None, seq_len: int,
             block_sizes: BlockSizes, track: bool, interpret: bool = False):
-  """The skip-forward contract of kernels/diffusion (skipping.py calls every backend's so): q, k, v padded
+  """The skip-forward contract of kernels/clis_kernels/diffusion (skipping.py calls every backend's so): q, k, v padded
   to whole tiles ([B, S, H, D], [B, Sk, Hkv, D]); skip [B, H, nq, nk] bool (SkipState.skip); stab as
   plan.stabilizer_inputs takes it for `mode`
   (the XLA pre-pass's Certificate, or None). Returns (o, gap [B, H, nq, nk], log2_l [B, H, nq])."""

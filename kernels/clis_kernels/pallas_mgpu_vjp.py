@@ -1,6 +1,6 @@
 """CLiS attention backward as Pallas Mosaic GPU kernels (Hopper: wgmma, TMA, warp specialisation).
 
-The backward has no stabilizer: P = 2^(σ₂·q·kᵀ − lse) from the forward's base-2 lse (kernels/stabilizer.py),
+The backward has no stabilizer: P = 2^(σ₂·q·kᵀ − lse) from the forward's base-2 lse (kernels/clis_kernels/stabilizer.py),
 so one backward serves the certified and the online loop. dS = P ∘ (dO·Vᵀ − Δ) with
 Δ = rowsum(dO ∘ O) (one XLA pass). Two kernels; in each, a CTA runs two compute warpgroups that
 own 64 rows apiece and one memory warpgroup that streams the other side's blocks through `slots`
@@ -466,41 +466,66 @@ def backward(q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_s
   No local window, soft cap or interpret mode (plan.py never sends them here)."""
   if window is not None or softcap is not None or interpret:
     raise ValueError("pallas_mgpu_vjp.backward has no local window, soft cap or interpret mode")
-  batch, seq, num_heads, _ = q.shape
-  kv_seq, num_kv_heads = k.shape[1:3]  # kv_seq may differ from seq (cross-attention)
-  if seq % block_sizes.multiple or kv_seq % block_sizes.multiple:
-    raise ValueError(f"{block_sizes.multiple=} must divide the padded lengths {seq=} and {kv_seq=}")
-  if block_sizes.split_dq and q.shape[-1] != 128:
-    raise ValueError(f"split_dq=True needs head_dim 128 (halves of 64 columns, one swizzle tile); got "
-                     f"head_dim={q.shape[-1]}: use BlockSizes(fused_dq=True) without split_dq")
-  delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32))
-  args = [q, k, v, do, lse, delta]
-  if segment_ids is not None:  # key id 0 (padding) becomes −1, as in the forward
-    args += [segment_ids.q.astype(jnp.int32), jnp.where(segment_ids.kv == 0, -1, segment_ids.kv).astype(jnp.int32)]
-  doc_ranges = block_sizes.document_ranges and causal and segment_ids is not None
-  common = dict(causal=causal, sigma2=scale * LOG2E, scale=scale, slots=block_sizes.slots,
-                group=num_heads // num_kv_heads, has_segments=segment_ids is not None, doc_ranges=doc_ranges)
-  q_tiles, kv_tiles = seq // (COMPUTE_WARPGROUPS * ROWS), kv_seq // (COMPUTE_WARPGROUPS * ROWS)
-  dq_args, dkv_args = args, args
-  if doc_ranges:
-    dq_args = args + [first_kv_blocks(segment_ids, cta_rows=COMPUTE_WARPGROUPS * ROWS, block_kv=ROWS)]
-    dkv_args = args + [_q_block_ends(segment_ids)]
-  launch = dict(num_threads=COMPUTE_WARPGROUPS + 1, thread_name="wg",
-                compiler_params=plgpu.CompilerParams(approx_math=True))
+  launch = Launches(q, k, v, segment_ids, o, lse, do, causal=causal, scale=scale, kv_len=kv_len,
+                    block_sizes=block_sizes)
   if block_sizes.fused_dq:
+    return launch.fused()
+  return launch.dq(), *launch.dkv()
+
+
+class Launches:
+  """The backward's kernel launches over one call's inputs, each callable alone (scripts/profile_backward.py
+  times them apart): Δ = rowsum(dO ∘ O) and the kernels' arguments are made on construction, in XLA."""
+
+  def __init__(self, q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_sizes: BlockSizes):
+    batch, seq, num_heads, _ = q.shape
+    kv_seq, num_kv_heads = k.shape[1:3]  # kv_seq may differ from seq (cross-attention)
+    if seq % block_sizes.multiple or kv_seq % block_sizes.multiple:
+      raise ValueError(f"{block_sizes.multiple=} must divide the padded lengths {seq=} and {kv_seq=}")
+    if block_sizes.split_dq and q.shape[-1] != 128:
+      raise ValueError(f"split_dq=True needs head_dim 128 (halves of 64 columns, one swizzle tile); got "
+                       f"head_dim={q.shape[-1]}: use BlockSizes(fused_dq=True) without split_dq")
+    delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32))
+    args = [q, k, v, do, lse, delta]
+    if segment_ids is not None:  # key id 0 (padding) becomes −1, as in the forward
+      args += [segment_ids.q.astype(jnp.int32), jnp.where(segment_ids.kv == 0, -1, segment_ids.kv).astype(jnp.int32)]
+    doc_ranges = block_sizes.document_ranges and causal and segment_ids is not None
+    self.common = dict(causal=causal, sigma2=scale * LOG2E, scale=scale, slots=block_sizes.slots,
+                       group=num_heads // num_kv_heads, has_segments=segment_ids is not None, doc_ranges=doc_ranges)
+    self.dq_args, self.dkv_args = args, args
+    if doc_ranges:
+      self.dq_args = args + [first_kv_blocks(segment_ids, cta_rows=COMPUTE_WARPGROUPS * ROWS, block_kv=ROWS)]
+      self.dkv_args = args + [_q_block_ends(segment_ids)]
+    self.q, self.k, self.v, self.scale, self.kv_len, self.block_sizes = q, k, v, scale, kv_len, block_sizes
+    self.dq_grid = (num_heads, seq // (COMPUTE_WARPGROUPS * ROWS), batch)
+    self.dkv_grid = (num_kv_heads, kv_seq // (COMPUTE_WARPGROUPS * ROWS), batch)
+
+  def _launch(self, kernel, out_type, grid, names):
+    return plgpu.kernel(kernel, out_type=out_type, grid=grid, grid_names=names, num_threads=COMPUTE_WARPGROUPS + 1,
+                        thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True))
+
+  def fused(self):
+    """(dq, dk, dv) from the one-kernel backward (BlockSizes(fused_dq=True)): dQ reduce-added in f32."""
+    q, k, v = self.q, self.k, self.v
     dq_acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
-    dk, dv = plgpu.kernel(functools.partial(_dkv_kernel, fused_dq=True, split_dq=block_sizes.split_dq, **common),
-                          out_type=(out_struct(k.shape, k.dtype, k), out_struct(v.shape, v.dtype, v)),
-                          grid=(num_kv_heads, kv_tiles, batch), grid_names=("heads", "kv_tiles", "batch"),
-                          **launch)(*dkv_args, dq_acc)
-    return (dq_acc[...] * scale).astype(q.dtype), dk, dv
-  dq = plgpu.kernel(functools.partial(_dq_kernel, kv_len=kv_len, **common), out_type=out_struct(q.shape, q.dtype, q),
-                    grid=(num_heads, q_tiles, batch), grid_names=("heads", "q_tiles", "batch"), **launch)(*dq_args)
-  dk, dv = plgpu.kernel(functools.partial(_dkv_kernel, **common),
-                        out_type=(out_struct(k.shape, k.dtype, k), out_struct(v.shape, v.dtype, v)),
-                        grid=(num_kv_heads, kv_tiles, batch), grid_names=("heads", "kv_tiles", "batch"),
-                        **launch)(*dkv_args)
-  return dq, dk, dv
+    dk, dv = self._launch(
+        functools.partial(_dkv_kernel, fused_dq=True, split_dq=self.block_sizes.split_dq, **self.common),
+        (out_struct(k.shape, k.dtype, k), out_struct(v.shape, v.dtype, v)), self.dkv_grid,
+        ("heads", "kv_tiles", "batch"))(*self.dkv_args, dq_acc)
+    return (dq_acc[...] * self.scale).astype(q.dtype), dk, dv
+
+  def dq(self):
+    """dq from the dQ kernel (rows = queries)."""
+    q = self.q
+    return self._launch(functools.partial(_dq_kernel, kv_len=self.kv_len, **self.common),
+                        out_struct(q.shape, q.dtype, q), self.dq_grid, ("heads", "q_tiles", "batch"))(*self.dq_args)
+
+  def dkv(self):
+    """(dk, dv) from the dK/dV kernel (rows = keys)."""
+    k, v = self.k, self.v
+    return self._launch(functools.partial(_dkv_kernel, **self.common),
+                        (out_struct(k.shape, k.dtype, k), out_struct(v.shape, v.dtype, v)), self.dkv_grid,
+                        ("heads", "kv_tiles", "batch"))(*self.dkv_args)
 
 
 def _q_block_ends(segment_ids):

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Kernel timings on the H200, one purpose per word (each well inside one call's 600 s). carry [".whl"] (tokamax).
+#   source scripts/h200/env.sh && bash scripts/h200/bench_kernels.sh WHAT [ARGS]
+#   bwd_parts          the backward's parts (Δ, dQ kernel, dK/dV kernel) against cuDNN, causal GQA 32/8 D 128, 8k-32k
+#   llm_d128           forward, backward, forward+backward against cuDNN, causal GQA 32/8 D 128, 8k-32k (B·S = 32k)
+#   llm_d64            the same at the 1B shape (GQA 32/8, D 64), 2k and 8k
+#   sweep FAMILY PACKED  forward and forward+backward, clis against online, 1k-64k, causal and bidirectional
+#   bidir FAMILY       bidirectional 32k H 12 and 75,600 H 40 forward: clis, online, cuDNN
+#   diffusion          the example DiT's sampler: dense XLA, cuDNN, clis, clis with skipping
+case "$1" in
+  bwd_parts)
+    TAIL=30 step bwd_parts 300 python3 scripts/profile_backward.py --seq-lens 8192 16384 32768 --tokens 32768 \
+        --out "$OUT/bwd_parts.json" ;;
+  llm_d128)
+    TAIL=30 step llm_d128 500 python3 scripts/bench_attention.py --suite llm --seq-lens 8192 16384 32768 \
+        --tokens 32768 --packed no --passes fwd bwd fwd_bwd --impls clis online cudnn tokamax_mosaic \
+        --repeats 7 --inner 3 --out "$OUT/llm_d128.json" ;;
+  llm_d64)
+    TAIL=30 step llm_d64 400 python3 scripts/bench_attention.py --suite llm --seq-lens 2048 8192 --tokens 16384 \
+        --llm-heads 32 8 64 --packed no --passes fwd bwd fwd_bwd --impls clis online cudnn tokamax_mosaic \
+        --repeats 7 --inner 3 --out "$OUT/llm_d64.json" ;;
+  sweep)
+    TAIL=3 step "sweep_$2_packed_$3" 560 python3 scripts/bench_attention.py --suite llm --seq-lens 1024 2048 4096 \
+        8192 16384 32768 65536 --tokens 32768 --causal both --packed "$3" --inputs "$2" --passes fwd fwd_bwd \
+        --impls clis online --repeats 5 --inner 3 --out "$OUT/sweep_$2_packed_$3.json"
+    grep -E "ms \[" "$OUT/sweep_$2_packed_$3.log" ;;
+  bidir)
+    TAIL=20 step "bidir_$2" 500 python3 scripts/bench_attention.py --suite llm --seq-lens 32768 --tokens 32768 \
+        --llm-heads 12 12 128 --causal no --packed no --inputs "$2" --passes fwd --impls clis online clis_radius cudnn \
+        --repeats 7 --inner 3 --out "$OUT/bidir_$2.json" ;;
+  diffusion)
+    TAIL=10 step diffusion 400 python3 -m scripts.bench_diffusion --weights examples/video_dit/weights.safetensors \
+        --impls xla cudnn clis clis_skip --schedules " -14:-8" " -10:-4" --repeats 2 --inner 2 \
+        --out "$OUT/diffusion.json" ;;
+  *) echo "usage: bench_kernels.sh bwd_parts|llm_d128|llm_d64|sweep FAMILY PACKED|bidir FAMILY|diffusion"; exit 2 ;;
+esac
