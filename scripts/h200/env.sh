@@ -25,3 +25,4 @@ step() {
 
 # pack: at most 8 files come back from $OUT, so a call ends by packing everything into one archive.
 pack() { (cd "$OUT" && tar czf all.tgz --remove-files -- *); }
+export -f step pack  # for the scripts/h200/*.sh run with bash after sourcing this
