@@ -5,6 +5,7 @@
   clis-train generate RUN_DIR --prompt TEXT             sample text from a run's newest checkpoint
   clis-train eval RUN_DIR_OR_RECIPE [--data PATH]       loss, perplexity, bits per byte (JSON)
   clis-train export RUN_DIR --hf OUT_DIR                Llama-format safetensors + config.json
+  clis-train prepare-data INPUT... --out DIR [--tokenizer T]   tokenise a corpus once into shards on disk
 
 Every error prints as one line, `clis-train: ...` (exit 2 for a bad config or argument, 1
 otherwise); Ctrl-C or SIGTERM stops cleanly with exit 130. `--debug` (or CLIS_TRAIN_DEBUG=1)
@@ -22,7 +23,7 @@ import sys
 
 from clis_train.errors import ConfigError, GracefulStop, Interrupted, UserError
 
-COMMANDS = ("train", "show-config", "generate", "eval", "export")
+COMMANDS = ("train", "show-config", "generate", "eval", "export", "prepare-data")
 
 
 def _recipes() -> str:
@@ -96,6 +97,24 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("run", help="run folder")
   p.add_argument("--hf", required=True, help="output folder (must not exist, or be empty)")
   p.add_argument("--step", type=int, default=None)
+
+  p = sub.add_parser("prepare-data", help="tokenise a corpus once into shards on disk", formatter_class=fmt,
+                     description=(
+      "Tokenise text files, JSONL or Parquet (or folders of them) once, in worker processes, into shards of token\n"
+      "ids under --out (clis_train/corpus.py). Train from the folder with data.train_path=DIR, or mix several with\n"
+      "data.sources. Interrupted, it resumes when run again with the same arguments; training refuses a folder\n"
+      "prepared with another tokenizer. Prints a JSON summary (documents, tokens, MB/s)."))
+  p.add_argument("inputs", nargs="+", help="files or folders")
+  p.add_argument("--out", required=True, help="the folder to write (new, empty, or an unfinished preparation)")
+  p.add_argument("--tokenizer", default="byte", help="byte, or a Hugging Face tokenizer.json (training's data.tokenizer)")
+  p.add_argument("--kind", default="cpt", choices=["cpt", "sft"])
+  p.add_argument("--format", default="auto", choices=["auto", "text", "jsonl", "parquet"])
+  p.add_argument("--text-field", default="text")
+  p.add_argument("--file-suffixes", default=None, help="a folder's files to read, e.g. .py,.md (default: known ones)")
+  p.add_argument("--skip-bad-lines", action="store_true", help="skip and count malformed JSONL lines")
+  p.add_argument("--workers", type=int, default=None, help="worker processes (default: one per CPU)")
+  p.add_argument("--unit-mb", type=float, default=64.0, help="input megabytes per shard")
+  p.add_argument("--no-progress", action="store_true")
   return parser
 
 
@@ -198,8 +217,19 @@ def _export(args, stop) -> int:
   return 0
 
 
+def _prepare_data(args, stop) -> int:
+  from clis_train import corpus
+  from clis_train.config import parse_suffixes
+  summary = corpus.prepare(args.inputs, args.out, tokenizer=args.tokenizer, kind=args.kind, fmt=args.format,
+                           text_field=args.text_field, suffixes=parse_suffixes(args.file_suffixes),
+                           skip_bad_lines=args.skip_bad_lines, workers=args.workers,
+                           unit_bytes=int(args.unit_mb * 2**20), progress=not args.no_progress, stop=stop)
+  print(json.dumps(summary))
+  return 0
+
+
 COMMAND_FUNCTIONS = {"train": _train, "show-config": _show_config, "generate": _generate, "eval": _eval,
-                     "export": _export}
+                     "export": _export, "prepare-data": _prepare_data}
 
 
 if __name__ == "__main__":

@@ -57,6 +57,17 @@ class ModelConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class SourceConfig:
+  """One entry of data.sources: a raw path or a prepared folder (`clis-train prepare-data`), drawn with `weight`."""
+  path: str
+  weight: float = 1.0
+  kind: str | None = None  # cpt | sft; None: data.kind
+  format: str | None = None  # raw paths: auto | text | jsonl | parquet; None: data.format
+  text_field: str | None = None  # None: data.text_field
+  name: str | None = None  # in logs; None: the path's last part
+
+
+@dataclasses.dataclass(frozen=True)
 class DataConfig:
   kind: str = "cpt"  # cpt (plain text) | sft (prompt/response or chat messages)
   train_path: str | None = None  # file or folder; None: the embedded corpus
@@ -71,6 +82,10 @@ class DataConfig:
   skip_bad_lines: bool = False
   packing_bins: int = 16
   eval_fraction: float = 0.05
+  # A mixture instead of train_path: a list of {path, weight, kind?, format?, text_field?, name?}, e.g.
+  #   sources: [{path: data/domain, weight: 0.7}, {path: data/replay, weight: 0.3}]
+  sources: tuple[SourceConfig, ...] | None = None
+  workers: int = 0  # grain worker processes reading and packing batches (0: in the training process)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,8 +208,23 @@ def _check_type(key: str, value: Any, tp, origin: str) -> Any:
         pass
     if option is str and isinstance(value, str):
       return value
+    if typing.get_origin(option) is tuple and isinstance(value, (list, tuple)):
+      return tuple(_source(f"{key}[{i}]", item, origin) for i, item in enumerate(value))
   names = " or ".join("null" if a is type(None) else a.__name__ for a in allowed)
   raise ConfigError(f"{origin}: {key}={value!r} must be {names}")
+
+
+def _source(key: str, item: Any, origin: str) -> SourceConfig:
+  """One data.sources entry from its mapping, every value type-checked."""
+  if isinstance(item, SourceConfig):
+    return item
+  hints = _hints(SourceConfig)
+  if not isinstance(item, dict) or "path" not in item:
+    raise ConfigError(f"{origin}: {key}={item!r} must be a mapping with a 'path' (and a 'weight')")
+  unknown = sorted(set(item) - set(hints))
+  if unknown:
+    raise ConfigError(f"{origin}: {key} has unknown keys {unknown}; a source takes {sorted(hints)}")
+  return SourceConfig(**{k: _check_type(f"{key}.{k}", v, hints[k], origin) for k, v in item.items()})
 
 
 def _merge(tree: dict, key: str, value: Any, origin: str) -> None:
@@ -280,6 +310,16 @@ def _validate(cfg: Config) -> None:
        f"checkpoint.on_corrupt={cfg.checkpoint.on_corrupt!r} must be error or previous")
   need(cfg.data.packing_bins >= 1, f"data.packing_bins={cfg.data.packing_bins} must be >= 1")
   parse_suffixes(cfg.data.file_suffixes)
+  need(cfg.data.workers >= 0, f"data.workers={cfg.data.workers} must be >= 0")
+  if cfg.data.sources is not None:
+    need(len(cfg.data.sources) >= 1, "data.sources must list at least one source (or be null: data.train_path)")
+    need(cfg.data.train_path is None, "set data.sources or data.train_path, not both (a single source can be the "
+         "only entry of data.sources)")
+    for i, src in enumerate(cfg.data.sources):
+      need(math.isfinite(src.weight) and src.weight > 0, f"data.sources[{i}].weight={src.weight} must be positive")
+      need(src.kind in (None, "cpt", "sft"), f"data.sources[{i}].kind={src.kind!r} must be cpt or sft")
+      need(src.format in (None, "auto", "text", "jsonl", "parquet"), f"data.sources[{i}].format={src.format!r} is "
+           "unknown")
   need(0.0 <= cfg.data.eval_fraction < 1.0, f"data.eval_fraction={cfg.data.eval_fraction} must be in [0, 1)")
   o = cfg.optim
   need(math.isfinite(o.lr) and o.lr > 0, f"optim.lr={o.lr} must be a positive finite number")

@@ -37,6 +37,9 @@ class ByteTokenizer:
   def encode(self, text: str) -> list[int]:
     return list(text.encode("utf-8"))
 
+  def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+    return [np.frombuffer(t.encode("utf-8"), np.uint8).astype(np.int32) for t in texts]
+
   def decode(self, ids) -> str:
     return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
@@ -56,6 +59,9 @@ class HFTokenizer:
 
   def encode(self, text: str) -> list[int]:
     return self._tok.encode(text, add_special_tokens=False).ids
+
+  def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+    return [np.asarray(e.ids, np.int32) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
   def decode(self, ids) -> str:
     return self._tok.decode(list(ids))

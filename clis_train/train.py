@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from clis_train import checkpoint, data, model
+from clis_train import sources as data_sources
 from clis_train.attention import BATCH_AXES, make_attention
 from clis_train.config import CERTIFYING, Config, ConfigError, to_dict
 from clis_train.errors import GracefulStop, Interrupted, TrainingError
@@ -99,6 +100,7 @@ class Trainer:
                                                              granularity=cfg.attention_granularity),
                                    dtype=jnp.dtype(cfg.model.dtype), remat=cfg.model.remat)
     self.global_batch = cfg.data.per_device_batch * self.mesh.size
+    self.host_batch = self.global_batch // jax.process_count()  # each host reads and packs its own rows
     self.batch_sharding = NamedSharding(self.mesh, P(BATCH_AXES))
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, cfg.optim.lr, cfg.optim.warmup_steps, max(cfg.train.steps, cfg.optim.warmup_steps + 1),
@@ -202,9 +204,11 @@ class Trainer:
 
   def _run(self, run_dir: pathlib.Path, on_step, stop: GracefulStop) -> list[dict]:
     cfg = self.cfg
-    examples = data.build_examples(cfg.data, self.tokenizer)
-    batches = data.packed_batches(examples.train, seq_len=cfg.data.seq_len, batch_size=self.global_batch,
-                                  seed=cfg.seed, packing_bins=cfg.data.packing_bins)
+    sources = data_sources.build_sources(cfg.data, self.tokenizer)
+    batches = data_sources.batches(sources, seq_len=cfg.data.seq_len, batch_size=self.host_batch, seed=cfg.seed,
+                                   packing_bins=cfg.data.packing_bins, workers=cfg.data.workers)
+    has_eval = any(s.eval is not None for s in sources)
+    mixture = np.zeros(len(sources), np.int64)  # tokens per source since the last eval interval
     mngr = checkpoint.manager(cfg.run_dir, every=cfg.checkpoint.every, keep=cfg.checkpoint.keep)
     t_init = time.perf_counter()
     try:
@@ -239,8 +243,10 @@ class Trainer:
         if restart is not None:
           log.write(_json_line(restart))
         for step in range(start, cfg.train.steps):
-          batch = jax.device_put(next(batches), self.batch_sharding)
-          state, metrics = self.train_step(state, batch)
+          batch = next(batches)
+          if "source" in batch:  # a mixture: count each source's real tokens, then leave the field on the host
+            mixture += np.bincount(batch.pop("source")[batch["segment_ids"] != 0], minlength=len(sources))
+          state, metrics = self.train_step(state, self.to_device(batch))
           steps_since += 1
           done = step + 1
           if done == start + 1:  # the first step's compile, and when it ended (scripts/h200 measure time to it)
@@ -275,8 +281,16 @@ class Trainer:
             log.flush()
             say(_console_line(record, cfg.train.steps))
             board.write(record)
-          if done % cfg.train.eval_every == 0 and examples.eval:
-            eval_record = {"step": done, "eval_loss": self.evaluate(state["params"], examples.eval)}
+          if done % cfg.train.eval_every == 0 and len(sources) > 1:
+            shares = data_sources.realised_shares(mixture)
+            mix_record = {"step": done, "mixture": {s.name: round(f, 4) for s, f in zip(sources, shares)},
+                          "mixture_weights": {s.name: s.weight for s in sources}}
+            mixture[:] = 0
+            records.append(mix_record)
+            log.write(_json_line(mix_record))
+            say(f"step {done} | mixture " + " ".join(f"{k} {v:.3f}" for k, v in mix_record["mixture"].items()))
+          if done % cfg.train.eval_every == 0 and has_eval:
+            eval_record = {"step": done, "eval_loss": self.evaluate(state["params"], sources)}
             records.append(eval_record)
             log.write(_json_line(eval_record))
             say(f"step {done} | eval_loss {eval_record['eval_loss']:.4f}")
@@ -312,13 +326,25 @@ class Trainer:
                           f"free space or point run_dir elsewhere. {_kept(saved)}") from e
     return step
 
-  def evaluate(self, params, eval_examples) -> float:
-    """Mean loss over cfg.train.eval_batches packed batches of held-out data (same batches every time)."""
-    batches = data.packed_batches(eval_examples, seq_len=self.cfg.data.seq_len, batch_size=self.global_batch,
-                                  seed=0, packing_bins=self.cfg.data.packing_bins, shuffle=False)
-    losses = [float(self.eval_step(params, jax.device_put(next(batches), self.batch_sharding))[0])
-              for _ in range(self.cfg.train.eval_batches)]
+  def evaluate(self, params, held_out) -> float:
+    """Mean loss over cfg.train.eval_batches packed batches of held-out data (same batches every time):
+    `held_out` a list of examples, or the sources (sources.build_sources) whose eval splits are mixed."""
+    kw = dict(seq_len=self.cfg.data.seq_len, batch_size=self.host_batch, seed=0,
+              packing_bins=self.cfg.data.packing_bins, shuffle=False)
+    from_sources = bool(held_out) and isinstance(held_out[0], data_sources.Source)
+    batches = data_sources.batches(held_out, split="eval", **kw) if from_sources else data.packed_batches(held_out, **kw)
+    losses = []
+    for _ in range(self.cfg.train.eval_batches):
+      batch = next(batches)
+      batch.pop("source", None)
+      losses.append(float(self.eval_step(params, self.to_device(batch))[0]))
     return float(np.mean(losses))
+
+  def to_device(self, batch):
+    """This host's rows of the global batch → global arrays sharded over the batch axes."""
+    if jax.process_count() == 1:
+      return jax.device_put(batch, self.batch_sharding)
+    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(self.batch_sharding, x), batch)
 
 
 def _kept(saved: int | None) -> str:
