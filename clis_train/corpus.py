@@ -9,8 +9,8 @@ unit in a worker process and writes it as one shard, Megatron-style:
                           exists is done, so an interrupted run started again with the same arguments resumes
   shard-NNNNNN.json       the shard's counts (documents, tokens, bad lines, skipped files)
 prepare.json (written first) records the settings, the tokenizer's fingerprint and the unit plan; meta.json (written
-last) the shards and totals. `PreparedCorpus` opens the folder for training: documents by global index through
-memory maps, nothing read until asked for, so a trainer's memory does not grow with the corpus.
+last) the shards and totals. `PreparedCorpus` opens the folder for training: documents by global index, each read
+from disk when asked for, so a trainer's memory does not grow with the corpus.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import numpy as np
 from clis_train.errors import DataError
 
 FORMAT = "clis-train tokens 1"
+OPEN_SHARDS = 64  # per reader: each open shard holds two or three file descriptors
 
 
 def is_prepared(path: str | os.PathLike) -> bool:
@@ -324,7 +325,10 @@ def _worker_init():
 class PreparedCorpus:
   """A prepared folder's documents by global index (a grain random-access source): item i is
   {"ids": int32 [n], "weights": float32 [n] (1 where trained on: all of CPT, the responses of SFT)}.
-  Shards are memory-mapped when first read; the object pickles without them (grain worker processes)."""
+  Each document is read with two positional reads (its two offsets, then its ids), not through memory maps: pages
+  of a mapped file count in the process's resident memory, and random reads with the kernel's read-around mapped
+  hundreds of MB more for a 5 GB corpus than for a 50 MB one. Files are opened when first read; the object
+  pickles without them (grain worker processes)."""
 
   def __init__(self, path: str, *, tokenizer: str | None = None, kind: str | None = None):
     self.path = pathlib.Path(path)
@@ -353,15 +357,32 @@ class PreparedCorpus:
   def __getstate__(self):
     return dict(self.__dict__, _open={})
 
+  def __del__(self, _close=os.close):
+    for s in list(getattr(self, "_open", {})):
+      self._close(s, _close)
+
+  def _close(self, s: int, close=os.close):
+    idx_fd, ids_fd, _, mask_fd = self._open.pop(s)
+    for fd in (idx_fd, ids_fd, mask_fd):
+      if fd is not None:
+        close(fd)
+
   def _shard(self, s: int):
-    if s not in self._open:
+    """(index fd, ids fd, offset of the index's data, mask fd or None) of shard s; at most OPEN_SHARDS open."""
+    if s in self._open:
+      self._open[s] = self._open.pop(s)  # most recently used last
+    else:
+      while len(self._open) >= OPEN_SHARDS:
+        self._close(next(iter(self._open)))
       stem = self.path / self.meta["shards"][s]["name"]
-      ids = np.memmap(stem.with_suffix(".bin"), self._dtype, mode="r") if self.meta["shards"][s]["tokens"] else \
-          np.zeros(0, self._dtype)
-      mask = None
-      if self.meta["kind"] == "sft" and self.meta["shards"][s]["tokens"]:
-        mask = np.memmap(stem.with_suffix(".mask.bin"), np.uint8, mode="r")
-      self._open[s] = (np.load(stem.with_suffix(".idx.npy"), mmap_mode="r"), ids, mask)
+      with open(stem.with_suffix(".idx.npy"), "rb") as f:
+        major, _ = np.lib.format.read_magic(f)
+        read_header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+        read_header(f)
+        data_offset = f.tell()
+      mask = os.open(stem.with_suffix(".mask.bin"), os.O_RDONLY) if self.meta["kind"] == "sft" else None
+      self._open[s] = (os.open(stem.with_suffix(".idx.npy"), os.O_RDONLY), os.open(stem.with_suffix(".bin"), os.O_RDONLY),
+                       data_offset, mask)
     return self._open[s]
 
   def __getitem__(self, i: int) -> dict:
@@ -369,7 +390,13 @@ class PreparedCorpus:
     if not 0 <= i < len(self):
       raise IndexError(f"document {i} of {len(self)}")
     s = int(np.searchsorted(self._starts, i, side="right") - 1)
-    offsets, ids, mask = self._shard(s)
-    lo, hi = int(offsets[i - self._starts[s]]), int(offsets[i - self._starts[s] + 1])
-    weights = np.ones(hi - lo, np.float32) if mask is None else np.asarray(mask[lo:hi], np.float32)
-    return {"ids": np.asarray(ids[lo:hi], np.int32), "weights": weights}
+    idx_fd, ids_fd, data_offset, mask_fd = self._shard(s)
+    lo, hi = (int(x) for x in np.frombuffer(os.pread(idx_fd, 16, data_offset + 8 * (i - int(self._starts[s]))),
+                                            np.int64))
+    size = self._dtype.itemsize
+    ids = np.frombuffer(os.pread(ids_fd, (hi - lo) * size, lo * size), self._dtype).astype(np.int32)
+    if mask_fd is None:
+      weights = np.ones(hi - lo, np.float32)
+    else:
+      weights = np.frombuffer(os.pread(mask_fd, hi - lo, lo), np.uint8).astype(np.float32)
+    return {"ids": ids, "weights": weights}

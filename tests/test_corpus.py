@@ -178,3 +178,15 @@ def test_prepare_data_command_prints_a_summary(tmp_path):
                            str(tmp_path / "A"), "--no-progress", "--workers", "1"], capture_output=True, text=True,
                           cwd=ROOT, check=True)
   assert json.loads(result.stdout.strip().splitlines()[-1])["documents"] == 40
+
+
+def test_reading_across_more_shards_than_may_stay_open(tmp_path, monkeypatch):
+  corpus.prepare([str(write_jsonl(tmp_path / "a.jsonl", 120, "a"))], str(tmp_path / "A"), unit_bytes=1500,
+                 progress=False, workers=1)
+  monkeypatch.setattr(corpus, "OPEN_SHARDS", 2)
+  docs = corpus.PreparedCorpus(str(tmp_path / "A"))
+  assert len(docs.meta["shards"]) > 5
+  order = np.random.default_rng(0).permutation(len(docs))
+  tags = {int(i): bytes(docs[int(i)]["ids"][1:6].astype(np.uint8)).split(b" ")[0] for i in order}
+  assert len(docs._open) <= 2
+  assert sorted(tags.values()) == sorted(f"a{i}".encode() for i in range(120))

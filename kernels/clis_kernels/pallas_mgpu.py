@@ -73,7 +73,7 @@ class BlockSizes:
   rows' documents (masks.segment_block_ranges), as tokamax's per-row k_start does; the blocks before it are
   wholly masked and were visited for nothing (8k rows of packed ~500-token documents: 70-80% of the causal
   blocks). On by default: bit-identical to the full causal loops (GPU tests), forward+backward 5.3x faster
-  at 8k rows of 300-token documents (Gaussian inputs) (BENCHMARKS.md, session 13); False visits every causal block.
+  at 8k rows of 300-token documents (Gaussian inputs) (benchmarks/log.md, 2026-12-01, "document ranges on the GPU"); False visits every causal block.
   The backward is the registry's choice (plan.py): "pallas_mgpu" takes pallas_mgpu_vjp's,
   "pallas_mgpu_triton_bwd" pallas_gpu_vjp's, each with its own BlockSizes.
   """

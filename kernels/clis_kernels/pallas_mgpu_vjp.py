@@ -455,7 +455,7 @@ FUSED_MAX_HEAD_DIM = 64
 def default_block_sizes(head_dim: int, seq_len: int, dtype) -> BlockSizes:
   """The fused backward up to head dim 64, where it is faster (H200, causal 8k, D 64: 1.02 ms against 1.16 for
   the two kernels); at D 128 its 209 KB of shared memory leave one pipeline too few and it is 1.5x slower
-  (BENCHMARKS.md, "Session 12"). Pass BlockSizes(fused_dq=False) for bit-identical gradients run to run."""
+  (benchmarks/log.md, 2026-12-01, "the fused backward"). Pass BlockSizes(fused_dq=False) for bit-identical gradients run to run."""
   del seq_len, dtype
   return BlockSizes(fused_dq=head_dim <= FUSED_MAX_HEAD_DIM)
 

@@ -1,5 +1,5 @@
 """The radius bound's bidirectional centre: the exact key mean (now) against the sampled median of block
-means (before session 14), on Gaussian keys, the pretrained-like families and testing.hull_escaping.
+means (before 2026-12-01's fix), on Gaussian keys, the pretrained-like families and testing.hull_escaping.
 
 Both certificates are stabilizer.certify_rows over stabilizer.key_bounds; the old one is rebuilt exactly
 by asking key_bounds for a window that covers every key (its median branch, radius over all blocks) and

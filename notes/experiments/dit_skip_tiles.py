@@ -4,29 +4,26 @@ kernel's), each thr schedule, PSNR/SSIM against the dense XLA sample from the sa
 and the dense kernels' own PSNR against it (the floor that kernel rounding alone sets); with --twin, each
 schedule also against the same skip path with nothing marked.
 
-  python notes/experiments/dit_skip_tiles.py --out notes/experiments/dit_skip_tiles.json
-  python notes/experiments/dit_skip_tiles.py --tiles 128 --statistic exact --dense --twin --out twin.json
+  python -m notes.experiments.dit_skip_tiles --out notes/experiments/dit_skip_tiles.json
+  python -m notes.experiments.dit_skip_tiles --tiles 128 --statistic exact --dense --twin --out twin.json
 """
 
 import argparse
 import functools
 import json
 import pathlib
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
-
-from clis_kernels import masks, plan as plan_lib, reference  # noqa: E402
-from clis_kernels.diffusion import tile_lists  # noqa: E402
-from clis_kernels.plan import Mode, stabilizer_inputs  # noqa: E402
-from clis_kernels.stabilizer import NEG  # noqa: E402
-from examples.video_dit import sampler, train  # noqa: E402
-from scripts.bench_diffusion import quality  # noqa: E402
+from clis_kernels import masks, plan as plan_lib, reference
+from clis_kernels.diffusion import tile_lists
+from clis_kernels.plan import Mode, stabilizer_inputs
+from clis_kernels.stabilizer import NEG
+from examples.video_dit import sampler, train
+from scripts.bench_diffusion import quality
 
 
 def with_tiles(cfg, tile):

@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PKGS=(grain array_record portpicker tokamax immutabledict qwix pydantic pydantic_core annotated-types
-      typing-inspection einshape tensorboardX)
+      typing-inspection einshape tensorboardX ${EXTRA:-})  # EXTRA: more names, e.g. MaxText's train-loop imports
 pins=()
 for p in "${PKGS[@]}"; do
   v=$(.venv/bin/python -m pip show "$p" 2>/dev/null | sed -n 's/^Version: //p')

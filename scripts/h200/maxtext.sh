@@ -1,8 +1,7 @@
-# Issue 21 on the H200: MaxText's own train loop, a Llama-3.2-1B-shaped model at seq 8192, each attention
-# value back to back (scripts/bench_maxtext.py). Run from the repository root on the device machine with
-# carry [".whl", ".whl-maxtext"] (notes/experiments/maxtext_wheels.sh installs what the GPU image lacks).
-#   source notes/experiments/device_env.sh && bash notes/experiments/maxtext_h200.sh [SEQ_LEN [VARIANT...]]
-source notes/experiments/maxtext_wheels.sh
+# MaxText's own train loop on the H200, a Llama-3.2-1B-shaped model, each attention value back to back
+# (scripts/bench_maxtext.py). carry [".whl"], made by `EXTRA="..." scripts/h200/wheels.sh` with the packages
+# MaxText's train loop imports that the GPU image lacks (pyproject.toml's maxtext extra, less what KINDS.md lists).
+#   source scripts/h200/env.sh && bash scripts/h200/maxtext.sh [SEQ_LEN [VARIANT...]]
 MODEL="model_name=llama3-8b override_model_config=true base_emb_dim=2048 base_num_decoder_layers=16 \
 base_mlp_dim=8192 base_num_query_heads=32 base_num_kv_heads=8 head_dim=64 logits_via_embedding=true"
 SEQ=${1:-8192}

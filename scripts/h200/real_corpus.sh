@@ -1,8 +1,8 @@
-# Issue 16 item 3 / issue 17 item 2 (one device call, H200): train the `small` preset on real text (the
-# installed scipy's sources, offline) with attention=clis until the time limit, then measure sink
-# statistics, certified fractions and backward-skippable tiles per layer and head at every checkpoint
-# on held-out text (numpy's sources), and save a q/k/v sample for the CPU tests.
-#   run: source notes/experiments/device_env.sh; bash notes/experiments/real_corpus_run.sh TRAIN_S STATS_S
+# Real activations (one device call, H200): train the `small` preset on real text (the installed scipy's sources,
+# offline) with attention=clis until the time limit, then measure sink statistics, certified fractions and
+# backward-skippable tiles per layer and head at every checkpoint on held-out text (numpy's sources), and save a
+# q/k/v sample for the CPU tests (tests/data/).
+#   source scripts/h200/env.sh && bash scripts/h200/real_corpus.sh TRAIN_S STATS_S
 set -u
 SP=$(python3 -c "import os, scipy; print(os.path.dirname(os.path.dirname(scipy.__file__)))")
 RUN=/tmp/real_small

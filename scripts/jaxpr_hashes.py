@@ -2,7 +2,7 @@
 leaves what the kernels compute unchanged (issue 15). CPU: the Pallas backends in interpret mode;
 the Mosaic GPU kernels are traced for an H200 without running (tracing needs no GPU).
 
-  python3 notes/experiments/jaxpr_hashes.py --out before.json   # then after the change: --out after.json
+  python3 scripts/jaxpr_hashes.py --out before.json   # then after the change: --out after.json
 """
 
 from __future__ import annotations
