@@ -8,6 +8,7 @@ batches padded to seq_len; the loss is the mean over target tokens of SFT-weight
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -15,14 +16,19 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from clis_train import data
+from clis_train import corpus, data, sources
 from clis_train.errors import DataError
 from clis_train.runs import LoadedRun
 
 
-def examples_for(run: LoadedRun, path: str | None) -> list[dict]:
-  """Examples of `path` (read as the run's data settings read files), or the run's held-out split."""
+def examples_for(run: LoadedRun, path: str | None, limit: int = 4096) -> list[dict]:
+  """Examples of `path` (read as the run's data settings read files), or the run's held-out split. From a prepared
+  folder, or a run trained on prepared folders or a mixture, the first `limit` examples of the held-out shares
+  (every source's, in order)."""
   cfg = run.cfg
+  prepared = path is not None and corpus.is_prepared(path)
+  if prepared or (path is None and (cfg.data.sources or corpus.is_prepared(cfg.data.train_path or ""))):
+    return _prepared_examples(run, path, limit)
   if path is None:
     held = data.build_examples(cfg.data, run.tokenizer).eval
     if not held:
@@ -37,6 +43,23 @@ def examples_for(run: LoadedRun, path: str | None) -> list[dict]:
                                  skip_bad_lines=cfg.data.skip_bad_lines,
                                  suffixes=data.parse_suffixes(cfg.data.file_suffixes))
   return data.cpt_examples(docs, run.tokenizer, seq, long)
+
+
+def _prepared_examples(run: LoadedRun, path: str | None, limit: int) -> list[dict]:
+  cfg = run.cfg
+  data_cfg = cfg.data if path is None else dataclasses.replace(cfg.data, train_path=path, sources=None,
+                                                               eval_path=None, eval_fraction=0.0)
+  built = sources.build_sources(data_cfg, run.tokenizer)
+  streams = [s.eval for s in built] if path is None else [s.train for s in built]
+  out = []
+  for stream in (s for s in streams if s is not None):
+    for i in range(len(stream)):
+      out += stream.chunker.flat_map(stream.items[i]) if stream.chunker else [stream.items[i]]
+      if len(out) >= limit:
+        return out[:limit]
+  if not out:
+    raise DataError("the run holds out no evaluation data (data.eval_fraction=0); pass --data FILE_OR_FOLDER")
+  return out
 
 
 def _batches(examples, seq_len: int, batch_size: int):

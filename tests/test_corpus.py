@@ -190,3 +190,14 @@ def test_reading_across_more_shards_than_may_stay_open(tmp_path, monkeypatch):
   tags = {int(i): bytes(docs[int(i)]["ids"][1:6].astype(np.uint8)).split(b" ")[0] for i in order}
   assert len(docs._open) <= 2
   assert sorted(tags.values()) == sorted(f"a{i}".encode() for i in range(120))
+
+
+def test_eval_command_reads_a_prepared_run_and_a_prepared_folder(tmp_path):
+  from clis_train.evaluate import evaluate, examples_for
+  from clis_train.runs import load_run
+  corpus.prepare([str(write_jsonl(tmp_path / "a.jsonl", 200, "a"))], str(tmp_path / "A"), progress=False, workers=1)
+  Trainer(cfg_for(tmp_path, f"data.train_path={tmp_path / 'A'}", "train.steps=2", "checkpoint.every=2")).run()
+  run = load_run(str(tmp_path / "run"))
+  held = examples_for(run, None)  # every 20th document of the folder (data.eval_fraction 0.05)
+  assert 10 <= len(held) and evaluate(run, held)["loss"] > 0
+  assert len(examples_for(run, str(tmp_path / "A"), limit=50)) == 50
