@@ -70,3 +70,41 @@ def test_document_ranges_lower_for_a_tpu():
 
   text = lower_for_tpu(jax.grad(loss, argnums=(0, 1, 2)), q, k, k, seg)
   assert text.count("tpu_custom_call") >= 3
+
+
+@pytest.mark.parametrize("family", ["sinks_many", "outlier_channels", "packed_sinks"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_default_bound_certifies_pretrained_like_inputs(family, causal):
+  """bound=None on a TPU is the block bound (plan.BLOCKS_FROM_TPU): on sink and outlier-channel inputs it
+  certifies at least 95% of the tiles, exactly (against float64), in interpret mode; the one-radius bound, the
+  default before, certifies at most half of them (none at real lengths)."""
+  from clis_kernels import plan, reference_f64 as ref, testing
+  q, k, v, do, seg = testing.inputs(family, 1, 256, 4, 2, 64)
+  if seg is not None and not causal:
+    pytest.skip("bidirectional packed rows take the radius bound (the block bound's kernel condition)")
+  kw = dict(causal=causal, implementation="pallas_tpu", interpret=True, platform=Platform("tpu"),
+            block_sizes=TestPallasTpu.block_sizes)
+  chosen = plan.make_plan(dtype=q.dtype, head_dim=64, seq_len=256, causal=causal, packed=seg is not None,
+                          implementation="pallas_tpu", interpret=True, platform=Platform("tpu"))
+  assert chosen.mode is plan.Mode.BLOCKS
+  out, stats = attention(q, k, v, seg, return_stats=True, **kw)
+  _, radius = attention(q, k, v, seg, return_stats=True, bound="radius", tau=64.0, **kw)
+  want = ref.attention(q, k, v, do, seg, causal=causal)
+  assert float(stats.certified_fraction) >= 0.95 and float(radius.certified_fraction) <= 0.5
+  assert ref.rel_err(out, want[0]) < 2e-2
+
+
+@pytest.mark.parametrize("chip", ["TPU v5 lite", "TPU v6 lite"])
+def test_default_block_bound_lowers_for_v5e_and_v6e(chip):
+  """The TPU default (block bound: an XLA pre-pass, then the kernels taking a Certificate) lowers for a TPU v5e
+  and a v6e at the default tiles, forward and both backwards."""
+  from clis_kernels.testing import _lower_for
+  q = jax.ShapeDtypeStruct((1, 2048, 4, 128), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, 2048, 2, 128), jnp.bfloat16)
+
+  def loss(q, k, v):
+    return attention(q, k, v, causal=True, implementation="pallas_tpu", platform=Platform("tpu")).astype(
+        jnp.float32).sum()
+
+  text = _lower_for(chip, 1, "tpu", "tpu")(jax.grad(loss, argnums=(0, 1, 2)), q, k, k)
+  assert text.count("tpu_custom_call") >= 3

@@ -138,6 +138,12 @@ CERTIFY_FROM_MGPU = 16384
 # issue 16); bound=None takes it there where its kernel takes the call, the radius below.
 BLOCKS_FROM_MGPU = 16384
 
+# The TPU takes the block bound at every length: its (U, L) pre-pass (stabilizer.certify_blocks in XLA) is
+# matmul-shaped work for the MXU, and the one-radius bound certifies no tile of inputs with sinks or outlier
+# channels (tests/test_pallas_tpu.py, interpret mode), where a sound bound that fails is pure loss. Not timed on a
+# TPU (none here).
+BLOCKS_FROM_TPU = 0
+
 REGISTRY: tuple[Entry, ...] = (
     Entry("pallas_mgpu", 30, ("gpu",), "pallas_mgpu", "pallas_mgpu_vjp", True, interpretable=False,
           hopper_only=True, window_and_soft_cap=False, backward_tiles="pallas_mgpu_vjp", row_bounds="pallas_gpu_bounds",
@@ -147,7 +153,8 @@ REGISTRY: tuple[Entry, ...] = (
           row_bounds="pallas_gpu_bounds", blocks_from=BLOCKS_FROM_MGPU),
     Entry("pallas_gpu", 20, ("gpu",), "pallas_gpu", "pallas_gpu_vjp", True, skip="diffusion.pallas_gpu_skip",
           row_bounds="pallas_gpu_bounds"),
-    Entry("pallas_tpu", 20, ("tpu",), "pallas_tpu", "pallas_tpu_vjp", False, skip="diffusion.pallas_tpu_skip"),
+    Entry("pallas_tpu", 20, ("tpu",), "pallas_tpu", "pallas_tpu_vjp", False, skip="diffusion.pallas_tpu_skip",
+          blocks_from=BLOCKS_FROM_TPU),
     Entry("reference", 0, ("cpu", "gpu", "tpu"), "reference", "reference", False,
           skip="diffusion.tile_lists:reference_forward"),  # pure JAX: interpret=True changes nothing
 )
