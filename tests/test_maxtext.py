@@ -105,7 +105,46 @@ def test_sliding_window_and_soft_cap_match_maxtext_dot_product(config, what):
   assert ref.rel_err(jnp.where(real, out, 0), exact) < 2e-5
 
 
-@pytest.mark.parametrize("what", ["decode", "sinks"])
+@pytest.mark.parametrize("layout", [{}, {"data": 2, "tensor": 2}], ids=["1dev", "data2_tensor2"])
+def test_learned_sinks_match_maxtext_dot_product(config, layout):
+  """gpt-oss's sinks: one logit per query head in the softmax's denominator; output and gradients (the sinks'
+  too) equal MaxText's dot_product on packed inputs, on one device and on a 2x2 (data, tensor) mesh."""
+  q, k, v, seg = _inputs()
+  sinks = jnp.asarray([1.5, -0.5, 3.0, 0.0], jnp.float32)
+  real = (seg != 0)[..., None, None]  # MaxText lets padding rows attend among padding; we return 0 there
+  do = jnp.where(real, jax.random.normal(jax.random.PRNGKey(7), q.shape), 0.0)
+  mesh = _mesh(config, **layout)
+  results = {}
+  for kernel in ("clis", "dot_product"):
+    clis_maxtext.install()
+    op = attention_op.AttentionOp(config=config, mesh=mesh, attention_kernel=kernel, max_target_length=S,
+                                  num_query_heads=HQ, num_kv_heads=HKV, dtype=jnp.float32)
+    with mesh, partitioning.axis_rules(config.logical_axis_rules):
+      out, vjp = jax.vjp(lambda q, k, v, s: op(q, k, v, seg, None, common_types.MODEL_MODE_TRAIN, sinks=s),
+                         q, k, v, sinks)
+      results[kernel] = (out, *vjp(do))
+  for got, want, name in zip(results["clis"], results["dot_product"], ("out", "dq", "dk", "dv", "dsinks")):
+    if name == "out":
+      got, want = jnp.where(real, got, 0), jnp.where(real, want, 0)
+    assert ref.rel_err(got, want) < 5e-5, name
+
+
+def test_mla_value_head_dim_matches_maxtext_dot_product(config):
+  """MLA's shapes (DeepSeek V3: q·k head dim 192, v 128; here 64 and 32): output [B, S, H, 32] and gradients equal
+  MaxText's dot_product on packed inputs."""
+  q, k, v, seg = _inputs()
+  v = v[..., :32]
+  real = (seg != 0)[..., None, None]
+  do = jnp.where(real, jax.random.normal(jax.random.PRNGKey(8), q.shape[:3] + (32,)), 0.0)
+  out, vjp = _run(config, _mesh(config), "clis", q, k, v, seg)
+  want, want_vjp = _run(config, _mesh(config), "dot_product", q, k, v, seg)
+  assert out.shape == want.shape == q.shape[:3] + (32,)
+  assert ref.rel_err(jnp.where(real, out, 0), jnp.where(real, want, 0)) < 2e-5
+  for got, exp in zip(vjp(do), want_vjp(do)):
+    assert ref.rel_err(got, exp) < 5e-5
+
+
+@pytest.mark.parametrize("what", ["decode"])
 def test_unsupported_modes_fail_clearly(config, what):
   clis_maxtext.install()
   q, k, v, seg = _inputs()
@@ -113,7 +152,7 @@ def test_unsupported_modes_fail_clearly(config, what):
   op = attention_op.AttentionOp(config=config, mesh=mesh, attention_kernel="clis", max_target_length=S,
                                 num_query_heads=HQ, num_kv_heads=HKV, dtype=jnp.float32)
   mode = common_types.MODEL_MODE_AUTOREGRESSIVE if what == "decode" else common_types.MODEL_MODE_TRAIN
-  call_kw = dict(sinks=jnp.zeros((HQ,))) if what == "sinks" else {}
+  call_kw = {}
   with mesh, partitioning.axis_rules(config.logical_axis_rules), pytest.raises(NotImplementedError, match="clis"):
     op.apply_attention(q, k, v, seg, None, None, mode, qk_product_einsum=jnp.einsum, wv_product_einsum=jnp.einsum,
                        **call_kw)

@@ -48,7 +48,6 @@ def _unsupported(op, key, model_mode, kw) -> str | None:
     return (f"attention_type={op.attention_type.value} (clis supports global causal, local sliding and full "
             "bidirectional attention)")
   checks = {
-      "sinks": kw.get("sinks") is not None,
       "record_max_logits": bool(kw.get("record_max_logits")),
       "use_ragged_attention": bool(kw.get("use_ragged_attention")),
       "previous_chunk (chunked prefill)": kw.get("previous_chunk") is not None,
@@ -64,10 +63,11 @@ def _unsupported(op, key, model_mode, kw) -> str | None:
   return None if not bad else ", ".join(bad)
 
 
-def _attend(op, query, key, value, segment_ids, stabilizer: str, kv_segment_ids=None):
+def _attend(op, query, key, value, segment_ids, stabilizer: str, kv_segment_ids=None, sinks=None):
   """clis_kernels.attention on MaxText's [B, S, H, D] tensors, under shard_map on a multi-device mesh.
   LOCAL_SLIDING is MaxText's causal window (key j seen by row i when i − W < j <= i); the soft cap
-  applies to the pre-scaled logits, as MaxText's own paths do."""
+  applies to the pre-scaled logits, as MaxText's own paths do; `sinks` [Hq] (gpt-oss) are one more logit per
+  head, as in MaxText's dot_product; v may have its own head dim (MLA)."""
   from maxtext.common.common_types import BATCH_ATTN, D_KV, HEAD, LENGTH, AttentionType
 
   causal = op.attention_type != AttentionType.FULL
@@ -76,10 +76,10 @@ def _attend(op, query, key, value, segment_ids, stabilizer: str, kv_segment_ids=
     raise ValueError(f"sliding_window_size={op.sliding_window_size} must be at least 1 for attention=clis")
   cap = getattr(op, "attn_logits_soft_cap", None) or None
 
-  def local(q, k, v, seg, kv_seg=None):
+  def local(q, k, v, seg, kv_seg=None, sinks=sinks):
     ids = seg if kv_seg is None else SegmentIds(seg, kv_seg)
     return clis_attention(q, k, v, ids, causal=causal, scale=1.0, stabilizer=stabilizer, local_window_size=window,
-                          logits_soft_cap=cap)
+                          logits_soft_cap=cap, sinks=sinks)
 
   mesh = op.mesh
   if mesh is None or mesh.size == 1:
@@ -95,6 +95,12 @@ def _attend(op, query, key, value, segment_ids, stabilizer: str, kv_segment_ids=
     raise ValueError(f"attention=clis shards kv heads over {qkv[2]!r}: num_kv_heads={key.shape[2]} must be a "
                      f"multiple of {head_shards}")
   seg_spec = P(qkv[0], None)
+  if sinks is not None:  # per query head: sharded as the heads are
+    ids = () if segment_ids is None else (segment_ids,) + (() if kv_segment_ids is None else (kv_segment_ids,))
+    with_sinks = lambda q, k, v, s, *ids: local(q, k, v, *(ids or (None,)), sinks=s)
+    fn = jax.shard_map(with_sinks, mesh=mesh, in_specs=(qkv, qkv, qkv, P(qkv[2])) + (seg_spec,) * len(ids),
+                       out_specs=qkv)
+    return fn(query, key, value, sinks, *ids)
   if segment_ids is None:
     fn = jax.shard_map(lambda q, k, v: local(q, k, v, None), mesh=mesh, in_specs=(qkv,) * 3, out_specs=qkv)
     return fn(query, key, value)
@@ -131,7 +137,7 @@ def install() -> None:
     logging.info("%s attention=%s: clis_kernels.attention, q %s, kv heads %d", LOG_TAG, self.attention_kernel,
                  tuple(query.shape), key.shape[-2])
     out = _attend(self, query, key, value, decoder_segment_ids, KERNELS[self.attention_kernel],
-                  kwargs.get("decoder_segment_ids_kv"))
+                  kwargs.get("decoder_segment_ids_kv"), kwargs.get("sinks"))
     return out, None, None  # normalised output, as MaxText's flash paths return
 
   apply_attention._clis_installed = True

@@ -65,8 +65,9 @@ def check_inputs(q, k, v, segment_ids, causal, stabilizer_name, granularity, tau
       raise ValueError(f"{name}.dtype={x.dtype} must be float32, bfloat16 or float16")
   if not (q.dtype == k.dtype == v.dtype):
     raise ValueError(f"q, k, v must share a dtype; got {q.dtype=}, {k.dtype=}, {v.dtype=}")
-  if k.shape != v.shape:
-    raise ValueError(f"k and v must have the same shape; got {k.shape=}, {v.shape=}")
+  if k.shape[:3] != v.shape[:3]:
+    raise ValueError(f"v must have k's batch, length and heads (its head dim may differ: MLA); got {k.shape=}, "
+                     f"{v.shape=}")
   if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
     raise ValueError(f"q and k must agree in batch and head_dim; got {q.shape=}, {k.shape=}")
   if q.shape[2] % k.shape[2]:
@@ -131,9 +132,10 @@ def _empty_attention(q, return_stats):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attend(static: _Static, q, k, v, segment_ids, stab):
-  """(out, certified tiles or None). stab: a Certificate, KeyBounds (in-kernel certificate) or None."""
-  return _attend_fwd(static, q, k, v, segment_ids, stab)[0]
+def _attend(static: _Static, q, k, v, segment_ids, stab, sinks):
+  """(out, certified tiles or None). stab: a Certificate, KeyBounds (in-kernel certificate) or None; sinks: [Hq]
+  f32 learned sink logits or None."""
+  return _attend_fwd(static, q, k, v, segment_ids, stab, sinks)[0]
 
 
 def _forward(static, q, k, v, segment_ids, stab):
@@ -145,28 +147,62 @@ def _forward(static, q, k, v, segment_ids, stab):
   return plan.backend.forward(q, k, v, segment_ids, stab, mode=plan.mode, **kw)
 
 
-def _attend_fwd(static, q, k, v, segment_ids, stab):
+def sink_weights(lse, sinks):
+  """[B, Hq, S] f32: the share e^L / (e^L + e^sink) of each row's weight left to its keys, from the kernel's base-2
+  lse L·log2(e) and a learned sink logit per head (gpt-oss: one more term in the softmax's denominator, with no
+  value). Rows with no visible key (lse = EMPTY_LSE) get 1, and their output stays 0."""
+  return jax.nn.sigmoid(lse / certificate.LOG2E - sinks.astype(jnp.float32)[None, :, None])
+
+
+def _vary_like(x, like):
+  """x made varying over the manual mesh axes that `like` varies over (inside jax.shard_map; elsewhere a no-op),
+  so the custom VJP's gradient for x has x's type; JAX then sums it over those axes on the way out (the
+  transpose of pcast). Sinks replicated over a data axis meet rows that vary over it."""
+  varying = lambda a: getattr(getattr(jax.typeof(a), "manual_axis_type", None), "varying", frozenset())
+  missing = tuple(sorted(varying(like) - varying(x)))
+  return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _rows(x):
+  """[B, Hq, S] → [B, S, Hq, 1], to scale rows of a [B, S, Hq, D] array."""
+  return jnp.swapaxes(x, 1, 2)[..., None]
+
+
+def _attend_fwd(static, q, k, v, segment_ids, stab, sinks):
   o, lse, tiles = _forward(static, q, k, v, segment_ids, stab)
-  return (o, tiles), (q, k, v, segment_ids, stab, o, lse)
+  w = None
+  if sinks is not None:  # o' = w·o exactly: the keys' weights all shrink by w, the sink's value is 0
+    w = sink_weights(lse, sinks)
+    o = (o.astype(jnp.float32) * _rows(w)).astype(o.dtype)
+  return (o, tiles), (q, k, v, segment_ids, stab, o, lse, w, sinks)
 
 
 def _attend_bwd(static, residuals, cotangents):
-  q, k, v, segment_ids, stab, o, lse = residuals
+  q, k, v, segment_ids, stab, o, lse, w, sinks = residuals
   do, _ = cotangents  # the certified-tile flags carry no gradient
   plan = static.plan
-  dq, dk, dv = plan.backend.backward(q, k, v, segment_ids, o, lse, do, causal=static.causal, scale=static.scale,
-                                     kv_len=static.kv_len, block_sizes=plan.backward_block_sizes,
+  dsinks, do_kernel = None, do
+  if sinks is not None:
+    # With P' = w·P the rows' gradient is dS = P'∘(dO·Vᵀ − rowsum(dO∘O')). The kernels form P∘(dÔ·Vᵀ −
+    # rowsum(Ô∘dÔ)) from their own lse; handing them Ô = O' and dÔ = w·dO gives exactly that (w·w·rowsum(dO∘O)
+    # = w·rowsum(dO∘O')), and dV = Pᵀ·(w·dO) = P'ᵀ·dO. The sink's own gradient: −Σ_rows (1 − w)·rowsum(dO∘O').
+    do32 = do.astype(jnp.float32)
+    dsinks = -jnp.einsum("bshd,bshd,bsh->h", do32, o.astype(jnp.float32), 1.0 - jnp.swapaxes(w, 1, 2))
+    dsinks = dsinks.astype(sinks.dtype)
+    do_kernel = (do32 * _rows(w)).astype(do.dtype)
+  dq, dk, dv = plan.backend.backward(q, k, v, segment_ids, o, lse, do_kernel, causal=static.causal,
+                                     scale=static.scale, kv_len=static.kv_len, block_sizes=plan.backward_block_sizes,
                                      window=static.window, softcap=static.softcap, interpret=plan.interpret)
   zero_stab = jax.tree.map(lambda x: jnp.zeros_like(x) if jnp.issubdtype(x.dtype, jnp.floating) else None, stab)
-  return dq, dk, dv, None, zero_stab
+  return dq, dk, dv, None, zero_stab, dsinks
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
-def _xla_attention(q, k, v, segment_ids: masks.SegmentIds | None, *, causal, scale, window, softcap):
+def _xla_attention(q, k, v, segment_ids: masks.SegmentIds | None, *, causal, scale, window, softcap, sinks=None):
   """Dense attention under the same mask convention (rows that see no key return 0): jax.nn's, or
-  with a soft cap the same in plain jnp (jax.nn has no soft cap)."""
+  with a soft cap or sinks the same in plain jnp (jax.nn has neither)."""
   q_pos, k_pos = jnp.arange(q.shape[1]), jnp.arange(k.shape[1])
   if segment_ids is None:
     mask = masks.visible(q_pos, k_pos, None, None, causal=causal, kv_len=None, window=window)
@@ -174,13 +210,18 @@ def _xla_attention(q, k, v, segment_ids: masks.SegmentIds | None, *, causal, sca
   else:
     mask = jax.vmap(lambda qs, ks: masks.visible(q_pos, k_pos, qs, ks, causal=causal, kv_len=None, window=window))(
         segment_ids.q, segment_ids.kv)[:, None]
-  if softcap is None:
+  if softcap is None and sinks is None:
     out = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation="xla")
   else:
     group = q.shape[2] // k.shape[2]
-    s = jnp.einsum("bqhd,bkhd->bhqk", q, jnp.repeat(k, group, axis=2), preferred_element_type=jnp.float32)
-    s = softcap * jnp.tanh(s * scale / softcap)
-    p = jax.nn.softmax(s if mask is None else jnp.where(mask, s, -jnp.inf), axis=-1)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, jnp.repeat(k, group, axis=2), preferred_element_type=jnp.float32) * scale
+    if softcap is not None:
+      s = softcap * jnp.tanh(s / softcap)
+    s = s if mask is None else jnp.where(mask, s, -jnp.inf)
+    if sinks is not None:  # one more column per row, the head's sink logit, whose value is 0
+      sink = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, None, None], s.shape[:3] + (1,))
+      s = jnp.concatenate([s, sink], axis=-1)
+    p = jax.nn.softmax(s, axis=-1)[..., :k.shape[1]]
     out = jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), jnp.repeat(v, group, axis=2),
                      preferred_element_type=jnp.float32).astype(q.dtype)
   if mask is not None:
@@ -212,8 +253,9 @@ def stabilizer_input(plan: plan_lib.Plan, qp, kp, vp, segp, *, causal, scale, ta
 
 def attention(q, k, v, segment_ids=None, *, causal=True, scale=None, local_window_size=None, logits_soft_cap=None,
               stabilizer="clis", granularity="tile", tau=None, bound=None, implementation=None, block_sizes=None,
-              backward_block_sizes=None, interpret=False, return_stats=False, platform=None):
-  """CLiS attention. q [B, S, Hq, D]; k, v [B, S, Hkv, D] with Hq a multiple of Hkv.
+              backward_block_sizes=None, interpret=False, return_stats=False, platform=None, sinks=None):
+  """CLiS attention. q [B, S, Hq, D]; k [B, S, Hkv, D], v [B, S, Hkv, Dv] with Hq a multiple of Hkv; Dv may differ
+  from D (MLA: q·k 192, v 128), and the output is [B, S, Hq, Dv].
 
   segment_ids: [B, S] int for packed sequences; a query sees keys of its own id only, and
     id 0 marks padding (such rows return 0). Or `SegmentIds(q=[B, Sq], kv=[B, Sk])` when queries
@@ -243,9 +285,30 @@ def attention(q, k, v, segment_ids=None, *, causal=True, scale=None, local_windo
   interpret: run a Pallas backend in Pallas interpret mode (on the CPU).
   platform: a plan.Platform to plan for (default: the first device's); tracing and lowering for
     another platform (an H200 on a CPU) need it.
+  sinks: [Hq] learned sink logits (gpt-oss; natural-log units, next to the scaled logits), or None: each head's
+    softmax gets one more term e^sink in its denominator, with no value. Differentiable. Every backend runs it:
+    the kernels compute the rows without the sink and the output is rescaled by e^L / (e^L + e^sink) from their
+    lse (`sink_weights`; the backward hands the kernels the rescaled output and dO, which gives the exact
+    gradient), so the certificate is the same as without sinks.
   Returns the output shaped like q, and with return_stats=True also an AttentionStats.
   """
   check_inputs(q, k, v, segment_ids, causal, stabilizer, granularity, tau, local_window_size, logits_soft_cap, bound)
+  if sinks is not None:
+    sinks = jnp.asarray(sinks)
+    if sinks.shape != (q.shape[2],) or not jnp.issubdtype(sinks.dtype, jnp.floating):
+      raise ValueError(f"sinks must be [Hq]=[{q.shape[2]}] logits (float), one per query head; got "
+                       f"shape {sinks.shape}, dtype {sinks.dtype}")
+  if v.shape[-1] != q.shape[-1]:  # MLA: zero columns change no logit and no kept output column
+    width = max(q.shape[-1], v.shape[-1])
+    scale = float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    q, k, v_wide = (pad_axis(x, 3, to=width) for x in (q, k, v))
+    result = attention(q, k, v_wide, segment_ids, causal=causal, scale=scale, local_window_size=local_window_size,
+                       logits_soft_cap=logits_soft_cap, stabilizer=stabilizer, granularity=granularity, tau=tau,
+                       bound=bound, implementation=implementation, block_sizes=block_sizes,
+                       backward_block_sizes=backward_block_sizes, interpret=interpret, return_stats=return_stats,
+                       platform=platform, sinks=sinks)
+    cut = lambda out: out[..., :v.shape[-1]]
+    return (cut(result[0]), result[1]) if return_stats else cut(result)
   separate_ids = isinstance(segment_ids, masks.SegmentIds)
   segment_ids = masks.segment_ids_of(segment_ids)
   window = masks.as_window(local_window_size, causal=causal)
@@ -256,7 +319,8 @@ def attention(q, k, v, segment_ids=None, *, causal=True, scale=None, local_windo
       raise ValueError("block_sizes has no meaning for implementation='xla'; leave it None")
     if 0 in q.shape or 0 in k.shape:
       return _empty_attention(q, return_stats)
-    out = _xla_attention(q, k, v, segment_ids, causal=causal, scale=scale, window=window, softcap=softcap)
+    out = _xla_attention(q, k, v, segment_ids, causal=causal, scale=scale, window=window, softcap=softcap,
+                         sinks=sinks)
     if not return_stats:
       return out
     none = jnp.zeros((q.shape[0], q.shape[2], 1), bool)
@@ -278,7 +342,8 @@ def attention(q, k, v, segment_ids=None, *, causal=True, scale=None, local_windo
   stab = stabilizer_input(plan, qp, kp, vp, segp, causal=causal, scale=scale, tau=tau, granularity=granularity,
                            seq_len=seq_len, kv_seq_len=kv_seq_len, window=window, separate_ids=separate_ids,
                            softcap=softcap)
-  out, tiles = _attend(static, qp, kp, vp, segp, stab)
+  out, tiles = _attend(static, qp, kp, vp, segp, stab,
+                       None if sinks is None else _vary_like(sinks.astype(jnp.float32), qp))
   out = out[:, :seq_len, :, :q.shape[-1]]
   if not return_stats:
     return out
