@@ -22,19 +22,11 @@ from clis_train.runs import LoadedRun
 
 
 def examples_for(run: LoadedRun, path: str | None, limit: int = 4096) -> list[dict]:
-  """Examples of `path` (read as the run's data settings read files), or the run's held-out split. From a prepared
-  folder, or a run trained on prepared folders or a mixture, the first `limit` examples of the held-out shares
-  (every source's, in order)."""
+  """Examples of `path` (read as the run's data settings read files; a prepared folder: its first `limit`), or the
+  first `limit` examples of the run's held-out split (every source's, in order), the documents training held out."""
   cfg = run.cfg
-  prepared = path is not None and corpus.is_prepared(path)
-  if prepared or (path is None and (cfg.data.sources or corpus.is_prepared(cfg.data.train_path or ""))):
-    return _prepared_examples(run, path, limit)
-  if path is None:
-    held = data.build_examples(cfg.data, run.tokenizer).eval
-    if not held:
-      raise DataError(f"the run holds out no evaluation data (data.eval_fraction={cfg.data.eval_fraction}, "
-                      "data.eval_path unset); pass --data FILE_OR_FOLDER")
-    return held
+  if path is None or corpus.is_prepared(path):
+    return _source_examples(run, path, limit)
   seq, long = cfg.data.seq_len, cfg.data.long_sequences
   if cfg.data.kind == "sft":
     return data.sft_examples(data.read_sft_pairs(path, skip_bad_lines=cfg.data.skip_bad_lines), run.tokenizer,
@@ -45,7 +37,7 @@ def examples_for(run: LoadedRun, path: str | None, limit: int = 4096) -> list[di
   return data.cpt_examples(docs, run.tokenizer, seq, long)
 
 
-def _prepared_examples(run: LoadedRun, path: str | None, limit: int) -> list[dict]:
+def _source_examples(run: LoadedRun, path: str | None, limit: int) -> list[dict]:
   cfg = run.cfg
   data_cfg = cfg.data if path is None else dataclasses.replace(cfg.data, train_path=path, sources=None,
                                                                eval_path=None, eval_fraction=0.0)
@@ -58,7 +50,8 @@ def _prepared_examples(run: LoadedRun, path: str | None, limit: int) -> list[dic
       if len(out) >= limit:
         return out[:limit]
   if not out:
-    raise DataError("the run holds out no evaluation data (data.eval_fraction=0); pass --data FILE_OR_FOLDER")
+    raise DataError(f"the run holds out no evaluation data (data.eval_fraction={cfg.data.eval_fraction}, "
+                    "data.eval_path unset); pass --data FILE_OR_FOLDER")
   return out
 
 

@@ -1,11 +1,13 @@
 """Training data as sources mixed by weight, each host reading its own share.
 
-A source is a raw path (read and tokenised when the run starts, clis_train/data.py: small corpora), a prepared
-folder (clis_train/corpus.py: documents read by random access as the iterator asks for them, chunked on the way,
-so memory and time to the first step do not grow with the corpus) or, with no path, the embedded corpus.
+A source is a prepared folder (clis_train/corpus.py: documents read from disk by random access as the iterator
+asks for them, so memory and time to the first step do not grow with the corpus), a raw path (small corpora: its
+text read into memory when the run starts, tokenised as the iterator reaches each document) or, with no path, the
+embedded corpus. Both kinds go through one pipeline: documents → tokens ({"ids", "weights"}) → chunks of
+seq_len + 1 (`Chunker`) → packing.
 `data.sources` lists several, `data.train_path` names one. Each source's items are split across hosts
-(item i to host i mod jax.process_count()) and into training and held-out parts (raw: every k-th chunk, as
-data.build_examples; prepared: every k-th document), then shuffled, repeated, mixed by weight with grain's
+(document i to host i mod jax.process_count()) and into training and held-out parts (every k-th document), then
+shuffled, repeated, mixed by weight with grain's
 `IterDataset.mix` (deterministic by seed), packed and batched. With several sources every token carries its
 source's index ("source" [B, S]) so the trainer can log the realised mixture.
 """
@@ -20,7 +22,7 @@ import jax
 import numpy as np
 
 from clis_train import corpus, data
-from clis_train.config import SourceConfig
+from clis_train.config import SourceConfig, parse_suffixes
 from clis_train.errors import DataError
 
 
@@ -87,13 +89,49 @@ def _prepared(spec: SourceConfig, data_cfg, kind: str, host) -> tuple[Stream, St
   return Stream(train, chunker), (Stream(held, chunker) if held is not None else None)
 
 
+class Tokenize:
+  """A raw document (text, or an SFT (prompt, response) pair) → {"ids", "weights"}, as prepare-data would store it
+  (corpus._encode: BOS/EOS, the SFT template, weight 0 on the prompt). Runs in grain's map, so in its worker
+  processes when data.workers > 0."""
+
+  def __init__(self, tokenizer, kind: str):
+    self.tokenizer, self.kind = tokenizer, kind
+
+  def __call__(self, doc) -> dict:
+    ids, mask = corpus._encode(self.tokenizer, [doc], self.kind)[0]
+    return {"ids": ids.astype(np.int32),
+            "weights": np.ones(len(ids), np.float32) if mask is None else mask.astype(np.float32)}
+
+
+def _read_raw(path: str | None, cfg, kind: str) -> list:
+  """A raw path's documents (strings, or (prompt, response) pairs for SFT) in memory, untokenised; None: the
+  embedded corpus."""
+  if kind == "sft":
+    return data.read_sft_pairs(path, skip_bad_lines=cfg.skip_bad_lines) if path else data.embedded_sft_pairs()
+  if not path:
+    return data.embedded_cpt_documents()
+  return data.read_cpt_documents(path, fmt=cfg.format, text_field=cfg.text_field, skip_bad_lines=cfg.skip_bad_lines,
+                                 suffixes=parse_suffixes(cfg.file_suffixes))
+
+
 def _raw(spec: SourceConfig | None, data_cfg, kind: str, tokenizer, host) -> tuple[Stream, Stream | None]:
+  """A raw path (or the embedded corpus) read into memory as text and tokenised on the fly, with the prepared
+  folders' semantics: every k-th document held out, documents chunked as the iterator reaches them."""
   cfg = data_cfg if spec is None else dataclasses.replace(
-      data_cfg, train_path=spec.path, kind=kind, format=spec.format or data_cfg.format,
-      text_field=spec.text_field or data_cfg.text_field, eval_path=None, sources=None)
-  examples = data.build_examples(cfg, tokenizer)
-  share = lambda xs: _host_share(grain.MapDataset.source(xs), host)
-  return Stream(share(examples.train)), (Stream(share(examples.eval)) if examples.eval else None)
+      data_cfg, format=spec.format or data_cfg.format, text_field=spec.text_field or data_cfg.text_field)
+  path = data_cfg.train_path if spec is None else spec.path
+  tokenize = Tokenize(tokenizer, kind)
+  docs = _host_share(grain.MapDataset.source(_read_raw(path, cfg, kind)), host)
+  train, held = _every_kth(docs, cfg.eval_fraction)
+  if spec is None and cfg.eval_path:
+    held = _host_share(grain.MapDataset.source(_read_raw(cfg.eval_path, cfg, kind)), host)
+  chunker = Chunker(cfg.seq_len, cfg.long_sequences, max_document_tokens=cfg.seq_len)
+  sample = [ex for i in range(min(len(train), 256)) for ex in chunker.flat_map(tokenize(train[i]))]
+  if not sample:
+    raise DataError(f"data path {path!r}: no training examples in its first {min(len(train), 256)} documents after "
+                    f"tokenization (documents shorter than 2 tokens, or every SFT response cut by "
+                    f"data.seq_len={cfg.seq_len})")
+  return Stream(train.map(tokenize), chunker), (Stream(held.map(tokenize), chunker) if held is not None else None)
 
 
 def build_sources(data_cfg, tokenizer, *, host: tuple[int, int] | None = None) -> list[Source]:
@@ -132,8 +170,7 @@ def batches(sources: list[Source], *, split: str = "train", seq_len: int, batch_
             packing_bins: int, shuffle: bool = True, workers: int = 0) -> grain.DatasetIterator:
   """An endless, checkpointable iterator of packed batches from the sources' `split` ("train" or "eval"),
   mixed by weight: inputs, targets, positions, segment_ids int32 [batch, seq_len], weights f32, and with several
-  sources "source" int32 (the source of each token; padding 0 with segment id 0). One raw source gives exactly
-  data.packed_batches's batches."""
+  sources "source" int32 (the source of each token; padding 0 with segment id 0)."""
   streams = [(i, s, getattr(s, split)) for i, s in enumerate(sources) if getattr(s, split) is not None]
   if not streams:
     raise DataError(f"no source has a {split} split")
