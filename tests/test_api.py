@@ -21,7 +21,7 @@ kv0 = jnp.zeros((2, 32, 2, 64), jnp.float32)
 @pytest.mark.parametrize("kwargs,message", [
     (dict(q=jnp.zeros((2, 32, 64))), "q must be \\[batch, seq, heads, head_dim\\]"),
     (dict(k=jnp.zeros((2, 32, 2, 32)), v=jnp.zeros((2, 32, 2, 32))), "q and k must agree"),
-    (dict(v=jnp.zeros((2, 32, 2, 32))), "k and v must have the same shape"),
+    (dict(v=jnp.zeros((2, 32, 3, 64))), "v must have k's batch, length and heads"),
     (dict(k=jnp.zeros((2, 32, 3, 64)), v=jnp.zeros((2, 32, 3, 64))), "Hq=4 must be a multiple of kv heads Hkv=3"),
     (dict(segment_ids=jnp.zeros((2, 31), jnp.int32)), "segment_ids must be \\[batch, seq\\]"),
     (dict(segment_ids=jnp.zeros((2, 32), jnp.float32)), "segment_ids must be an integer array"),
