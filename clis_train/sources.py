@@ -83,10 +83,24 @@ def _every_kth(ds: grain.MapDataset, fraction: float) -> tuple[grain.MapDataset,
 def _prepared(spec: SourceConfig, data_cfg, kind: str, host) -> tuple[Stream, Stream | None]:
   docs = corpus.PreparedCorpus(spec.path, tokenizer=data_cfg.tokenizer, kind=kind)
   chunker = Chunker(data_cfg.seq_len, data_cfg.long_sequences, docs.meta["max_document_tokens"])
-  train, held = _every_kth(_host_share(grain.MapDataset.source(docs), host), data_cfg.eval_fraction)
-  if data_cfg.eval_path and len(data_cfg.sources or ()) <= 1:
-    held = None  # the configured eval_path replaces the held-out share (build_sources adds it)
+  train, held = _every_kth(_host_share(grain.MapDataset.source(docs), host), _held_out_fraction(data_cfg))
   return Stream(train, chunker), (Stream(held, chunker) if held is not None else None)
+
+
+def _held_out_fraction(data_cfg) -> float:
+  """data.eval_fraction, or 0 when data.eval_path names the held-out data (then every document trains)."""
+  return 0.0 if data_cfg.eval_path else data_cfg.eval_fraction
+
+
+def _eval_path_stream(data_cfg, tokenizer, host) -> Stream:
+  """data.eval_path's documents: a prepared folder, or raw text tokenised on the fly."""
+  path, kind = data_cfg.eval_path, data_cfg.kind
+  if corpus.is_prepared(path):
+    docs = corpus.PreparedCorpus(path, tokenizer=data_cfg.tokenizer, kind=kind)
+    chunker = Chunker(data_cfg.seq_len, data_cfg.long_sequences, docs.meta["max_document_tokens"])
+    return Stream(_host_share(grain.MapDataset.source(docs), host), chunker)
+  docs = _host_share(grain.MapDataset.source(_read_raw(path, data_cfg, kind)), host)
+  return Stream(docs.map(Tokenize(tokenizer, kind)), Chunker(data_cfg.seq_len, data_cfg.long_sequences, data_cfg.seq_len))
 
 
 class Tokenize:
@@ -122,9 +136,7 @@ def _raw(spec: SourceConfig | None, data_cfg, kind: str, tokenizer, host) -> tup
   path = data_cfg.train_path if spec is None else spec.path
   tokenize = Tokenize(tokenizer, kind)
   docs = _host_share(grain.MapDataset.source(_read_raw(path, cfg, kind)), host)
-  train, held = _every_kth(docs, cfg.eval_fraction)
-  if spec is None and cfg.eval_path:
-    held = _host_share(grain.MapDataset.source(_read_raw(cfg.eval_path, cfg, kind)), host)
+  train, held = _every_kth(docs, _held_out_fraction(cfg))
   chunker = Chunker(cfg.seq_len, cfg.long_sequences, max_document_tokens=cfg.seq_len)
   sample = [ex for i in range(min(len(train), 256)) for ex in chunker.flat_map(tokenize(train[i]))]
   if not sample:
@@ -136,7 +148,7 @@ def _raw(spec: SourceConfig | None, data_cfg, kind: str, tokenizer, host) -> tup
 
 def build_sources(data_cfg, tokenizer, *, host: tuple[int, int] | None = None) -> list[Source]:
   """The configured sources, this host's share of each (host: (index, count); default jax's process index and
-  count). A single source keeps data.eval_path's held-out set when one is given."""
+  count). data.eval_path, when set, is the held-out set of the whole mixture, and every document trains."""
   host = (jax.process_index(), jax.process_count()) if host is None else host
   specs = data_cfg.sources or (None,)
   out = []
@@ -153,10 +165,9 @@ def build_sources(data_cfg, tokenizer, *, host: tuple[int, int] | None = None) -
       raise DataError(f"data source {path!r}: no training items on host {host[0]} of {host[1]}")
     name = (spec.name if spec is not None and spec.name else None) or (pathlib.Path(path).name if path else "embedded")
     out.append(Source(name, 1.0 if spec is None else spec.weight, train, held))
-  if data_cfg.eval_path and data_cfg.sources is None and corpus.is_prepared(data_cfg.train_path or ""):
-    docs = corpus.PreparedCorpus(data_cfg.eval_path, tokenizer=data_cfg.tokenizer, kind=data_cfg.kind)
-    eval_stream = Stream(_host_share(grain.MapDataset.source(docs), host), out[0].train.chunker)
-    out[0] = dataclasses.replace(out[0], eval=eval_stream)
+  if data_cfg.eval_path:  # one held-out set for the whole mixture instead of each source's share
+    held = _eval_path_stream(data_cfg, tokenizer, host)
+    out = [dataclasses.replace(s, eval=held if i == 0 else None) for i, s in enumerate(out)]
   return out
 
 

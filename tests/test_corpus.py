@@ -224,3 +224,16 @@ def test_worker_processes_are_deterministic_and_resume_exactly(tmp_path):
     for w in want:
       got = next(resumed)
       assert all(np.array_equal(got[key], w[key]) for key in w)
+
+
+def test_eval_path_is_the_held_out_set_raw_or_prepared(tmp_path):
+  corpus.prepare([str(write_jsonl(tmp_path / "a.jsonl", 60, "a"))], str(tmp_path / "A"), progress=False, workers=1)
+  held = write_jsonl(tmp_path / "held.jsonl", 7, "h")
+  corpus.prepare([str(held)], str(tmp_path / "H"), progress=False, workers=1)
+  for train in (tmp_path / "A", tmp_path / "a.jsonl"):
+    for eval_path in (held, tmp_path / "H"):
+      cfg = dataclasses.replace(cfg_for(tmp_path).data, train_path=str(train), eval_path=str(eval_path))
+      (src,) = sources.build_sources(cfg, data.ByteTokenizer(), host=(0, 1))
+      assert len(src.train) == 60 and len(src.eval) == 7  # every training document trains
+      first = src.eval.items[0]
+      assert bytes(first["ids"][1:3].astype(np.uint8)) == b"h0"
