@@ -74,7 +74,7 @@ def _jsonl_cuts(path: pathlib.Path, unit_bytes: int) -> list[tuple[int, int]]:
 
 def plan_units(files: list[pathlib.Path], fmt: str, unit_bytes: int) -> list[list[Segment]]:
   """The files as units of about unit_bytes: small files grouped, big JSONL cut, Parquet by row group."""
-  from clis_train.data import _format
+  from clis_train.data import file_format
   units, current, size = [], [], 0
 
   def add(segment, nbytes):
@@ -86,7 +86,7 @@ def plan_units(files: list[pathlib.Path], fmt: str, unit_bytes: int) -> list[lis
       current, size = [], 0
 
   for file in files:
-    kind = _format(file, fmt)
+    kind = file_format(file, fmt)
     if kind == "jsonl":
       for start, end in _jsonl_cuts(file, unit_bytes):
         add(Segment(str(file), kind, start, end), end - start)
@@ -114,7 +114,7 @@ def _documents(segment: Segment, settings: dict, counts: dict):
   skipped and counted with skip_bad_lines."""
   from clis_train import data
   if segment.kind == "text":
-    text = data._text_or_none(pathlib.Path(segment.file))
+    text = data.text_or_none(pathlib.Path(segment.file))
     if text is None:
       counts["binary_files"] += 1
     elif not text.strip():
@@ -163,7 +163,7 @@ def _documents(segment: Segment, settings: dict, counts: dict):
         continue
       yield text
     else:
-      pair = data._sft_pair(record)
+      pair = data.sft_pair(record)
       if pair is None:
         if not skip:
           raise DataError(f"{where()}: an SFT record needs 'prompt' and 'response' strings, or 'messages' ending "
@@ -183,7 +183,7 @@ def _tokenizer(name: str):
   return _TOKENIZERS[name]
 
 
-def _encode(tok, docs: list, kind: str):
+def encode(tok, docs: list, kind: str):
   """(ids, mask or None) per document, BOS/EOS added as training adds them (data.cpt_examples / sft_examples)."""
   from clis_train.data import SFT_TEMPLATE
   bos = [tok.bos_id] if tok.bos_id is not None else []
@@ -211,7 +211,7 @@ def _write_unit(job) -> dict:
   ids_parts, mask_parts, lengths = [], [], []
   for segment in segments:
     docs = list(_documents(segment, settings, counts))
-    for ids, mask in _encode(tok, docs, settings["kind"]):
+    for ids, mask in encode(tok, docs, settings["kind"]):
       ids_parts.append(ids.astype(dtype))
       lengths.append(len(ids))
       if mask is not None:
@@ -254,7 +254,7 @@ def prepare(inputs: list[str], out: str, *, tokenizer: str = "byte", kind: str =
     raise DataError(f"--out {out!r} is a folder that holds other files; choose an empty or new folder")
   out_dir.mkdir(parents=True, exist_ok=True)
   tok = data.make_tokenizer(tokenizer)
-  files = [f for path in inputs for f in data._files(path, fmt, suffixes)]
+  files = [f for path in inputs for f in data.input_files(path, fmt, suffixes)]
   settings = dict(format=FORMAT, inputs=[str(pathlib.Path(p).resolve()) for p in inputs], kind=kind, fmt=fmt,
                   text_field=text_field, suffixes=list(suffixes) if suffixes else None, skip_bad_lines=skip_bad_lines,
                   unit_bytes=unit_bytes, tokenizer=tokenizer, fingerprint=tokenizer_fingerprint(tokenizer),

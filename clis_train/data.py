@@ -106,7 +106,7 @@ TEXT_SUFFIXES = (".txt", ".text", ".md", ".rst", ".py", ".pyi", ".c", ".h", ".cc
 DATA_SUFFIXES = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
 
 
-def _text_or_none(file: pathlib.Path) -> str | None:
+def text_or_none(file: pathlib.Path) -> str | None:
   """The file's text, or None when it is not UTF-8 text (NUL bytes, invalid UTF-8)."""
   raw = file.read_bytes()
   if b"\x00" in raw[:8192]:
@@ -117,7 +117,7 @@ def _text_or_none(file: pathlib.Path) -> str | None:
     return None
 
 
-def _files(path: str, fmt: str = "auto", suffixes: tuple[str, ...] | None = None) -> list[pathlib.Path]:
+def input_files(path: str, fmt: str = "auto", suffixes: tuple[str, ...] | None = None) -> list[pathlib.Path]:
   """The files to read: path itself, or the files under a folder whose suffix is in `suffixes`
   (default: one that names a format, TEXT_SUFFIXES or DATA_SUFFIXES; any with data.format set),
   others skipped with one warning."""
@@ -143,7 +143,7 @@ def _files(path: str, fmt: str = "auto", suffixes: tuple[str, ...] | None = None
   return files
 
 
-def _format(file: pathlib.Path, fmt: str) -> str:
+def file_format(file: pathlib.Path, fmt: str) -> str:
   if fmt != "auto":
     return fmt
   return DATA_SUFFIXES.get(file.suffix.lower(), "text")
@@ -152,12 +152,12 @@ def _format(file: pathlib.Path, fmt: str) -> str:
 def read_cpt_documents(path: str, *, fmt: str, text_field: str, skip_bad_lines: bool,
                        suffixes: tuple[str, ...] | None = None) -> list[str]:
   docs, binary, empty = [], [], []
-  files = _files(path, fmt, suffixes)
+  files = input_files(path, fmt, suffixes)
   for file in files:
-    kind = _format(file, fmt)
+    kind = file_format(file, fmt)
     before = len(docs)
     if kind == "text":
-      text = _text_or_none(file)
+      text = text_or_none(file)
       if text is None:
         if len(files) == 1:
           raise DataError(f"{file}: not UTF-8 text (binary or another encoding); convert it, or point "
@@ -195,10 +195,10 @@ def read_cpt_documents(path: str, *, fmt: str, text_field: str, skip_bad_lines: 
 def read_sft_pairs(path: str, *, skip_bad_lines: bool) -> list[tuple[str, str]]:
   """(prompt, response) pairs from `prompt`/`response` records or chat `messages`."""
   pairs = []
-  for file in _files(path, "jsonl"):
+  for file in input_files(path, "jsonl"):
     before = len(pairs)
     for p, line_no, record in _jsonl_records(file, skip_bad_lines):
-      pair = _sft_pair(record)
+      pair = sft_pair(record)
       if pair is None:
         if skip_bad_lines:
           continue
@@ -210,7 +210,8 @@ def read_sft_pairs(path: str, *, skip_bad_lines: bool) -> list[tuple[str, str]]:
   return pairs
 
 
-def _sft_pair(record):
+def sft_pair(record):
+  """(prompt, response) of an SFT record: prompt/response strings, or chat messages ending with the assistant."""
   if isinstance(record.get("prompt"), str) and isinstance(record.get("response"), str):
     return record["prompt"], record["response"]
   messages = record.get("messages")

@@ -105,14 +105,14 @@ def _eval_path_stream(data_cfg, tokenizer, host) -> Stream:
 
 class Tokenize:
   """A raw document (text, or an SFT (prompt, response) pair) → {"ids", "weights"}, as prepare-data would store it
-  (corpus._encode: BOS/EOS, the SFT template, weight 0 on the prompt). Runs in grain's map, so in its worker
+  (corpus.encode: BOS/EOS, the SFT template, weight 0 on the prompt). Runs in grain's map, so in its worker
   processes when data.workers > 0."""
 
   def __init__(self, tokenizer, kind: str):
     self.tokenizer, self.kind = tokenizer, kind
 
   def __call__(self, doc) -> dict:
-    ids, mask = corpus._encode(self.tokenizer, [doc], self.kind)[0]
+    ids, mask = corpus.encode(self.tokenizer, [doc], self.kind)[0]
     return {"ids": ids.astype(np.int32),
             "weights": np.ones(len(ids), np.float32) if mask is None else mask.astype(np.float32)}
 
