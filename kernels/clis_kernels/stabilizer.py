@@ -321,11 +321,17 @@ def stabilize(upper, lower, headroom, threshold, row_real=None):
 
 def headroom_and_floor(v, *, segment_ids, seq_len: int):
   """Headroom h [B, Hkv] and floor T (python float) from v's range, dtype and N = seq_len keys."""
-  info = jnp.finfo(v.dtype)
   segment_ids = masks.segment_ids_of(segment_ids)
-  log2_n = math.ceil(math.log2(max(seq_len, 1)))
   key_valid = masks.key_is_real(segment_ids, v.shape[1], seq_len)
   vmax = jnp.where(key_valid[..., None, None], jnp.abs(v.astype(jnp.float32)), 0.0).max(axis=(1, 3))
+  return headroom_from(vmax, v.dtype, seq_len=seq_len)
+
+
+def headroom_from(vmax, dtype, *, seq_len: int):
+  """`headroom_and_floor` from max |v| over the real keys, vmax [B, Hkv] (context parallelism takes its max over
+  every device's keys), v's dtype and the key count N."""
+  info = jnp.finfo(dtype)
+  log2_n = math.ceil(math.log2(max(seq_len, 1)))
   log2_v = jnp.maximum(0.0, jnp.ceil(jnp.log2(jnp.maximum(vmax, 1e-30))))
   headroom = jnp.maximum(0.0, (info.maxexp - 2) - log2_n - log2_v)
   floor = float(-info.minexp - (info.nmant + 2) - log2_n)
@@ -372,7 +378,7 @@ def certify_rows(q, k, segment_ids, keys: KeyBounds, *, causal: bool, scale: flo
   upper, lower = row_bounds(qg, centre, radius, k_diag, sigma2=scale * LOG2E,
                             cap2=None if softcap is None else softcap * LOG2E)
   to_heads = lambda x: x.reshape(batch, sq, hq).transpose(0, 2, 1)
-  return _certificate(to_heads(upper), to_heads(lower), keys.headroom, keys.threshold, segment_ids,
+  return certificate_of(to_heads(upper), to_heads(lower), keys.headroom, keys.threshold, segment_ids,
                       block_q=block_q, seq_len=seq_len, granularity=granularity)
 
 
@@ -381,7 +387,7 @@ def own_key_visible(*, causal: bool, window, segment_ids, separate_ids: bool) ->
   return causal or window is not None or (segment_ids is not None and not separate_ids)
 
 
-def _certificate(upper, lower, headroom, threshold, segment_ids, *, block_q: int, seq_len: int,
+def certificate_of(upper, lower, headroom, threshold, segment_ids, *, block_q: int, seq_len: int,
                  granularity: str) -> Certificate:
   """The certificate from base-2 row bounds [B, Hq, Sq] and the per-(batch, kv head) headroom and
   threshold [B, Hkv]: M and the per-tile (or per-head) pass."""
@@ -555,5 +561,5 @@ def certify_blocks(q, k, v, segment_ids, *, causal: bool, scale: float, tau: flo
     upper, lower = (soft_cap(x, cap2) for x in row_bounds_kernel(q, k, segment_ids, bounds, causal=causal, scale=scale,
                                                                  block=key_block, kv_len=kv_seq_len))
   headroom, floor = headroom_and_floor(v, segment_ids=segment_ids, seq_len=kv_seq_len)
-  return _certificate(upper, lower, headroom, jnp.minimum(tau * LOG2E, headroom + floor), segment_ids,
+  return certificate_of(upper, lower, headroom, jnp.minimum(tau * LOG2E, headroom + floor), segment_ids,
                       block_q=block_q, seq_len=seq_len, granularity=granularity)

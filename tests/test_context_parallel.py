@@ -1,0 +1,131 @@
+"""Context parallelism (clis_kernels.context_parallel) on an 8-device CPU mesh: the sequence split over a
+`context` axis gives the single device's result, forward and gradients, against float64."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from clis_kernels import attention
+from clis_kernels import context_parallel as cp
+from clis_kernels import reference_f64 as ref
+from clis_kernels import testing
+
+
+def _mesh(context, data=1):
+  devices = np.array(jax.devices()[:context * data]).reshape(data, context)
+  return jax.sharding.Mesh(devices, ("data", "context"))
+
+
+def _sharded(mesh, check_vma=True, **kw):
+  """The context-parallel call on zig-zag-ordered inputs, as a function of natural-order arrays."""
+  n = mesh.shape["context"]
+  seq = P("data", "context")
+
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P("data", "context", None, None),) * 3 + (seq,),
+                     out_specs=(P("data", "context", None, None), P()), check_vma=check_vma)
+  def run(q, k, v, ids):
+    out, stats = cp.context_parallel_attention(q, k, v, ids, axis_name="context", return_stats=True, **kw)
+    return out, jax.lax.pmean(stats.certified_fraction, ("data", "context"))
+
+  def natural(q, k, v, ids):
+    zig = lambda x: cp.to_zigzag(x, n)
+    ids = jnp.ones(q.shape[:2], jnp.int32) if ids is None else ids
+    out, frac = run(zig(q), zig(k), zig(v), zig(ids))
+    return cp.from_zigzag(out, n), frac
+
+  return natural
+
+
+def test_zigzag_order_gives_each_device_a_chunk_from_each_end():
+  order = cp.zigzag_order(16, 4)  # 8 chunks of 2: device r holds chunks r and 7 - r
+  np.testing.assert_array_equal(order.reshape(4, 4), [[0, 1, 14, 15], [2, 3, 12, 13], [4, 5, 10, 11],
+                                                      [6, 7, 8, 9]])
+  x = jnp.arange(32).reshape(2, 16)
+  np.testing.assert_array_equal(cp.from_zigzag(cp.to_zigzag(x, 4), 4), x)
+  with pytest.raises(ValueError, match="multiple of 2"):
+    cp.zigzag_order(12, 4)
+
+
+CASES = {  # name: (causal, packed, heads (Hq, Hkv))
+    "causal": (True, False, (4, 4)),
+    "causal_gqa_packed": (True, True, (4, 2)),
+    "bidirectional_gqa": (False, False, (4, 1)),
+    "bidirectional_packed": (False, True, (2, 2)),
+}
+
+
+@pytest.mark.parametrize("strategy", cp.STRATEGIES)
+@pytest.mark.parametrize("case", CASES)
+def test_matches_one_device_and_float64(case, strategy):
+  causal, packed, (hq, hkv) = CASES[case]
+  mesh = _mesh(context=4, data=2)
+  q, k, v, do = testing.random_inputs(7, 2, 256, hq, hkv, 16, jnp.float32)
+  ids = testing.packed_segments(3, 2, 256) if packed else None
+  kw = dict(causal=causal, implementation="reference")
+  f = _sharded(mesh, strategy=strategy, **kw)
+  (out, frac), vjp = jax.vjp(lambda q, k, v: jax.jit(f)(q, k, v, ids), q, k, v)
+  got = (out, *vjp((do, jnp.zeros(())))[:3])
+  want = ref.attention(q, k, v, do, ids, causal=causal)
+  one_device = jax.vjp(lambda q, k, v: attention(q, k, v, ids, **kw), q, k, v)
+  single = (one_device[0], *one_device[1](do))
+  for name, g, w, s in zip(("out", "dq", "dk", "dv"), got, want, single):
+    assert ref.rel_err(g, w) < 2e-6, name
+    assert ref.rel_err(g, w) <= 1.5 * ref.rel_err(s, w) + 1e-6, name  # as accurate as one device
+  assert float(frac) > 0.9  # Gaussian keys certify under the gathered bound
+
+
+def test_certified_rows_add_partials_exactly_and_online_combine_agrees():
+  """The CLiS combination (one M per row across shards) and the online one give the same output on
+  pretrained-shaped inputs (sinks, RoPE, outlier channels); both match float64."""
+  mesh = _mesh(context=8)
+  q, k, v, do, _ = testing.inputs("sinks_many", 1, 512, 4, 2, 32, dtype=jnp.float32)
+  want = ref.attention(q, k, v, do, None, causal=True)[0]
+  outs = {}
+  for combine in cp.COMBINES:
+    out, frac = jax.jit(_sharded(mesh, combine=combine, implementation="reference"))(q, k, v, None)
+    outs[combine] = out
+    assert ref.rel_err(out, want) < 2e-6, combine
+  assert float(frac) > 0.9
+  assert ref.rel_err(outs["clis"], outs["online"]) < 2e-6
+
+
+def test_uncertified_rows_fall_back_and_stay_exact():
+  """A τ too small to certify anything sends every row down the online combination: results stay exact."""
+  mesh = _mesh(context=2)  # chunks of 128 keys: more than the 32 exceptional keys that are scored exactly
+  q, k, v, do = testing.random_inputs(1, 1, 512, 2, 2, 16, jnp.float32)
+  run = _sharded(mesh, tau=1e-3, implementation="reference")
+  (out, frac), vjp = jax.vjp(lambda q, k, v: jax.jit(run)(q, k, v, None), q, k, v)
+  assert float(frac) == 0.0
+  want = ref.attention(q, k, v, do, None, causal=True)
+  for g, w in zip((out, *vjp((do, jnp.zeros(())))[:3]), want):
+    assert ref.rel_err(g, w) < 2e-6
+
+
+def test_interpreted_triton_kernel_under_context_parallelism():
+  mesh = _mesh(context=2)
+  q, k, v, do = testing.random_inputs(2, 1, 256, 2, 1, 32, jnp.float32)
+  ids = testing.packed_segments(5, 1, 256)
+  from clis_kernels import pallas_gpu
+  # JAX's GPU interpret mode drops the varying-axis types in its grid loop (tests/test_api.py says the same)
+  run = _sharded(mesh, check_vma=False, implementation="pallas_gpu", interpret=True,
+                 block_sizes=pallas_gpu.BlockSizes(block_q=32, block_k=32))
+  (out, _), vjp = jax.vjp(lambda q, k, v: jax.jit(run)(q, k, v, ids), q, k, v)
+  want = ref.attention(q, k, v, do, ids, causal=True)
+  for g, w in zip((out, *vjp((do, jnp.zeros(())))[:3]), want):
+    assert ref.rel_err(g, w) < 5e-5
+
+
+def test_bad_layouts_get_one_clear_error():
+  mesh = _mesh(context=4)
+  q, k, v, _ = testing.random_inputs(0, 1, 4 * 2 * 24, 2, 2, 16, jnp.float32)  # chunks of 24: no block fits
+  with pytest.raises(ValueError, match="multiple of"):
+    jax.jit(_sharded(mesh, implementation="reference", block_sizes=__import__(
+        "clis_kernels.reference", fromlist=["BlockSizes"]).BlockSizes(32, 32)))(q, k, v, None)
+  with pytest.raises(ValueError, match="strategy="):
+    jax.jit(_sharded(mesh, strategy="tree"))(q, k, v, None)
