@@ -5,8 +5,10 @@ Triton on other NVIDIA GPUs, Mosaic TPU on TPUs, the reference on CPU);
 clis_mgpu / online_mgpu → the Mosaic GPU kernels by name (Hopper only; an error elsewhere);
 dot_product → dense XLA under the same segment convention; cudnn → jax.nn's cuDNN
 kernel (NVIDIA only); tokamax → tokamax's Mosaic GPU flash attention (its XLA op off GPUs).
-On a mesh of more than one device the kernel runs under `jax.shard_map`, batch over (data, fsdp) and heads over tensor: Pallas kernels are
-not partitioned by XLA, and every call then sees whole sequences.
+On a mesh of more than one device the kernel runs under `jax.shard_map`, batch over (data, fsdp) and heads over
+tensor: Pallas kernels are not partitioned by XLA. With a `context` axis of more than one device each sequence is
+split over it (zig-zag order) and clis / online run clis_kernels.context_parallel; otherwise every call sees whole
+sequences.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from clis_kernels import attention as clis_attention
+from clis_kernels import context_parallel
 from clis_kernels import masks
 from clis_train.config import ATTENTIONS
 
@@ -54,18 +57,26 @@ def tokamax_documents(q, k, v, segment_ids, *, on_gpu: bool):
   return jnp.where((segment_ids != 0)[:, :, None, None], out, 0).astype(q.dtype)
 
 
-def make_attention(name: str, mesh: jax.sharding.Mesh | None, *, granularity: str = "tile", platform=None):
+def make_attention(name: str, mesh: jax.sharding.Mesh | None, *, granularity: str = "tile", platform=None,
+                   context_strategy: str = "ring"):
   """Returns attend(q, k, v, segment_ids) -> (out [B,S,Hq,D], certified_fraction scalar), jitted: every
   layer then calls one traced and lowered function, so the step's module holds each kernel once instead of
   once per layer (compile time: notes/kernels.md, round 7). platform: a clis_kernels.plan.Platform to plan the kernels for (default:
-  this machine's)."""
+  this machine's). context_strategy: "ring" or "all_gather", where the mesh has a context axis of more than one
+  device."""
+  context = 1 if mesh is None else dict(mesh.shape).get("context", 1)
   if name in ("clis", "online", "clis_mgpu", "online_mgpu"):
     stabilizer, _, backend = name.partition("_")
     implementation = "pallas_mgpu" if backend else None  # *_mgpu: the Mosaic GPU kernels (Hopper)
 
     def attend(q, k, v, seg):
-      out, stats = clis_attention(q, k, v, seg, causal=True, stabilizer=stabilizer, granularity=granularity,
-                                  implementation=implementation, return_stats=True, platform=platform)
+      if context > 1:
+        out, stats = context_parallel.context_parallel_attention(
+            q, k, v, seg, axis_name="context", causal=True, stabilizer=stabilizer, strategy=context_strategy,
+            implementation=implementation, return_stats=True, platform=platform)
+      else:
+        out, stats = clis_attention(q, k, v, seg, causal=True, stabilizer=stabilizer, granularity=granularity,
+                                    implementation=implementation, return_stats=True, platform=platform)
       return out, stats.certified_fraction
   elif name == "dot_product":
     def attend(q, k, v, seg):
@@ -83,12 +94,15 @@ def make_attention(name: str, mesh: jax.sharding.Mesh | None, *, granularity: st
       return tokamax_documents(q, k, v, seg, on_gpu=on_gpu), jnp.zeros((), jnp.float32)
   else:
     raise ValueError(f"attention={name!r} must be one of {', '.join(ATTENTIONS)}")
+  if context > 1 and name not in ("clis", "online", "clis_mgpu", "online_mgpu"):
+    raise ValueError(f"attention={name!r} sees whole sequences; a mesh with context={context} needs clis or online")
 
   if mesh is None or mesh.size == 1:
     return jax.jit(attend)
-  heads = P(BATCH_AXES, None, "tensor", None)
+  sequence = "context" if context > 1 else None
+  heads = P(BATCH_AXES, sequence, "tensor", None)
 
-  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(heads, heads, heads, P(BATCH_AXES, None)),
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(heads, heads, heads, P(BATCH_AXES, sequence)),
                      out_specs=(heads, P()))
   def sharded(q, k, v, seg):
     out, certified = attend(q, k, v, seg)

@@ -129,6 +129,8 @@ class MeshConfig:
   data: int = -1  # -1: all devices not used by the other axes
   fsdp: int = 1
   tensor: int = 1
+  context: int = 1  # context parallelism: each sequence split over this many devices (attention clis or online)
+  context_strategy: str = "ring"  # ring (ppermute, one key shard in flight) | all_gather (every key at once)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -298,6 +300,15 @@ def _validate(cfg: Config) -> None:
   need(cfg.data.format in ("auto", "text", "jsonl", "parquet"), f"data.format={cfg.data.format!r} is unknown")
   need(cfg.data.long_sequences in ("split", "truncate"), "data.long_sequences must be split or truncate")
   need(cfg.data.seq_len >= 8, f"data.seq_len={cfg.data.seq_len} must be >= 8")
+  need(cfg.mesh.context >= 1, f"mesh.context={cfg.mesh.context} must be >= 1 (1: no context parallelism)")
+  need(cfg.mesh.context_strategy in ("ring", "all_gather"),
+       f"mesh.context_strategy={cfg.mesh.context_strategy!r} must be ring or all_gather")
+  need(cfg.mesh.context == 1 or cfg.attention in ("clis", "online"),
+       f"mesh.context={cfg.mesh.context} needs attention clis or online (the kernels that combine shards); "
+       f"attention={cfg.attention!r} sees whole sequences: set mesh.context=1")
+  need(cfg.data.seq_len % (2 * cfg.mesh.context) == 0,
+       f"data.seq_len={cfg.data.seq_len} must be a multiple of 2 * mesh.context={2 * cfg.mesh.context} (two chunks "
+       "per device)")
   need(cfg.data.per_device_batch >= 1, f"data.per_device_batch={cfg.data.per_device_batch} must be >= 1")
   need(cfg.train.steps >= 1, f"train.steps={cfg.train.steps} must be >= 1")
   need(cfg.train.log_every >= 1, f"train.log_every={cfg.train.log_every} must be >= 1")

@@ -24,6 +24,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from clis_kernels import context_parallel
 from clis_train import checkpoint, data, model
 from clis_train import sources as data_sources
 from clis_train.attention import BATCH_AXES, make_attention
@@ -51,10 +52,10 @@ def maybe_initialize_distributed() -> None:
 
 def make_mesh(mesh_cfg) -> jax.sharding.Mesh:
   devices = jax.devices()
-  sizes = {"data": mesh_cfg.data, "fsdp": mesh_cfg.fsdp, "tensor": mesh_cfg.tensor}
+  sizes = {"data": mesh_cfg.data, "fsdp": mesh_cfg.fsdp, "context": mesh_cfg.context, "tensor": mesh_cfg.tensor}
   fixed = int(np.prod([s for s in sizes.values() if s != -1]))
   if list(sizes.values()).count(-1) > 1:
-    raise ConfigError("at most one of mesh.data, mesh.fsdp, mesh.tensor may be -1")
+    raise ConfigError("at most one of mesh.data, mesh.fsdp, mesh.context, mesh.tensor may be -1")
   if -1 in sizes.values():
     if len(devices) % fixed:
       raise ConfigError(f"mesh axes {sizes} do not divide the {len(devices)} devices")
@@ -62,8 +63,8 @@ def make_mesh(mesh_cfg) -> jax.sharding.Mesh:
   total = int(np.prod(list(sizes.values())))
   if total > len(devices) or min(sizes.values()) < 1:
     raise ConfigError(f"mesh {sizes} needs {total} devices; {len(devices)} are available")
-  grid = np.array(devices[:total]).reshape(sizes["data"], sizes["fsdp"], sizes["tensor"])
-  return jax.sharding.Mesh(grid, ("data", "fsdp", "tensor"))
+  grid = np.array(devices[:total]).reshape(*sizes.values())
+  return jax.sharding.Mesh(grid, tuple(sizes))
 
 
 def _param_spec(path, leaf, mesh) -> P:
@@ -97,11 +98,13 @@ class Trainer:
     self.dims = model.resolve_dims(cfg.model, self.tokenizer.vocab_size)
     self.mesh = make_mesh(cfg.mesh)
     self.model = model.Transformer(self.dims, make_attention(cfg.attention, self.mesh,
-                                                             granularity=cfg.attention_granularity),
+                                                             granularity=cfg.attention_granularity,
+                                                             context_strategy=cfg.mesh.context_strategy),
                                    dtype=jnp.dtype(cfg.model.dtype), remat=cfg.model.remat)
-    self.global_batch = cfg.data.per_device_batch * self.mesh.size
+    self.context = self.mesh.shape["context"]  # devices that share each sequence
+    self.global_batch = cfg.data.per_device_batch * self.mesh.size // self.context
     self.host_batch = self.global_batch // jax.process_count()  # each host reads and packs its own rows
-    self.batch_sharding = NamedSharding(self.mesh, P(BATCH_AXES))
+    self.batch_sharding = NamedSharding(self.mesh, P(BATCH_AXES, "context"))
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, cfg.optim.lr, cfg.optim.warmup_steps, max(cfg.train.steps, cfg.optim.warmup_steps + 1),
         end_value=cfg.optim.lr * cfg.optim.min_lr_ratio)
@@ -151,6 +154,7 @@ class Trainer:
     self.all_finite = jax.jit(lambda p: jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(p)])))
 
   def _loss(self, params, batch):
+    batch = {k: self._zigzag(v) for k, v in batch.items()}  # the loss is a mean over tokens: order is free
     logits, extra = self.model.apply({"params": params}, batch["inputs"], batch["positions"], batch["segment_ids"],
                                      mutable=["intermediates"])
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
@@ -172,7 +176,14 @@ class Trainer:
     """Forward pass for evaluation and tests: float32 logits [B, S, vocab]."""
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape) if positions is None else positions
     segment_ids = jnp.ones_like(tokens) if segment_ids is None else segment_ids
-    return self.model.apply({"params": params}, tokens, positions, segment_ids, mutable=["intermediates"])[0]
+    tokens, positions, segment_ids = (self._zigzag(x) for x in (tokens, positions, segment_ids))
+    logits = self.model.apply({"params": params}, tokens, positions, segment_ids, mutable=["intermediates"])[0]
+    return logits if self.context == 1 else context_parallel.from_zigzag(logits, self.context)
+
+  def _zigzag(self, x):
+    """[B, S, ...] in the order context parallelism shards (each device a chunk from either end of every sequence:
+    clis_kernels.context_parallel); positions travel with their tokens, so RoPE and the loss are unchanged."""
+    return x if self.context == 1 else context_parallel.to_zigzag(x, self.context)
 
   # ------------------------------------------------------------------ the loop
   def run(self, on_step=None, stop: GracefulStop | None = None) -> list[dict]:

@@ -23,8 +23,10 @@ def _mesh(context, data=1):
 
 
 def _sharded(mesh, check_vma=True, **kw):
-  """The context-parallel call on zig-zag-ordered inputs, as a function of natural-order arrays."""
+  """The context-parallel call on inputs in its layout (zig-zag unless kw names another), as a function of
+  natural-order arrays."""
   n = mesh.shape["context"]
+  contiguous = kw.get("layout") == "contiguous"
   seq = P("data", "context")
 
   @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P("data", "context", None, None),) * 3 + (seq,),
@@ -34,10 +36,10 @@ def _sharded(mesh, check_vma=True, **kw):
     return out, jax.lax.pmean(stats.certified_fraction, ("data", "context"))
 
   def natural(q, k, v, ids):
-    zig = lambda x: cp.to_zigzag(x, n)
+    zig = (lambda x: x) if contiguous else (lambda x: cp.to_zigzag(x, n))
     ids = jnp.ones(q.shape[:2], jnp.int32) if ids is None else ids
     out, frac = run(zig(q), zig(k), zig(v), zig(ids))
-    return cp.from_zigzag(out, n), frac
+    return (out if contiguous else cp.from_zigzag(out, n)), frac
 
   return natural
 
@@ -60,15 +62,15 @@ CASES = {  # name: (causal, packed, heads (Hq, Hkv))
 }
 
 
-@pytest.mark.parametrize("strategy", cp.STRATEGIES)
+@pytest.mark.parametrize("strategy,layout", [("ring", "zigzag"), ("all_gather", "zigzag"), ("ring", "contiguous")])
 @pytest.mark.parametrize("case", CASES)
-def test_matches_one_device_and_float64(case, strategy):
+def test_matches_one_device_and_float64(case, strategy, layout):
   causal, packed, (hq, hkv) = CASES[case]
   mesh = _mesh(context=4, data=2)
   q, k, v, do = testing.random_inputs(7, 2, 256, hq, hkv, 16, jnp.float32)
   ids = testing.packed_segments(3, 2, 256) if packed else None
   kw = dict(causal=causal, implementation="reference")
-  f = _sharded(mesh, strategy=strategy, **kw)
+  f = _sharded(mesh, strategy=strategy, layout=layout, **kw)
   (out, frac), vjp = jax.vjp(lambda q, k, v: jax.jit(f)(q, k, v, ids), q, k, v)
   got = (out, *vjp((do, jnp.zeros(())))[:3])
   want = ref.attention(q, k, v, do, ids, causal=causal)

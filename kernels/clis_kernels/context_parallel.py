@@ -38,6 +38,7 @@ from clis_kernels.common import varying_like
 from clis_kernels.stabilizer import EMPTY_LSE, LOG2E, NEG
 
 STRATEGIES = ("ring", "all_gather")
+LAYOUTS = ("zigzag", "contiguous")
 COMBINES = ("clis", "online")
 NONE, FULL, DIAGONAL = 0, 1, 2  # what a (query chunk, key chunk) pair is: skipped, all keys visible, the diagonal
 
@@ -75,9 +76,12 @@ class _Static:
   strategy: str
   combine: str
   certify: bool  # stabilizer="clis"
+  layout: str = "zigzag"
 
   def chunks_of(self, shard):
     """The global chunk indices (first, second) that device `shard` holds (shard may be traced)."""
+    if self.layout == "contiguous":
+      return 2 * shard, 2 * shard + 1
     return shard, 2 * self.shards - 1 - shard
 
   def pair(self, q_chunk, k_chunk):
@@ -191,7 +195,7 @@ def _global_certificate(static, q, k, v, ids):
   is_exceptional = gather([b.is_exceptional for b in local])  # [n, 2, B, Hkv, E]
   e_ids = None if ids is None else gather([jnp.take_along_axis(ic[:, None, :], b.exceptional, axis=2)
                                            for ic, b in zip(idss, local)])  # [n, 2, B, Hkv, E]
-  chunk_of = jnp.stack([jnp.arange(n), 2 * n - 1 - jnp.arange(n)], axis=1)  # [n, 2]: global chunk of (shard, slot)
+  chunk_of = jnp.stack(static.chunks_of(jnp.arange(n)), axis=1)  # [n, 2]: global chunk of (shard, slot)
   nb = centres.shape[3]
   flat = lambda x, axis: jnp.moveaxis(x.reshape(2 * n, *x.shape[2:]), 0, axis)
   centres = flat(centres, 1).reshape(q.shape[0], 2 * n * nb, *centres.shape[4:])  # [B, 2n·nb, Hkv, D]
@@ -330,7 +334,7 @@ _context_parallel.defvjp(_forward, _backward)
 
 def context_parallel_attention(q, k, v, segment_ids=None, *, axis_name: str, causal: bool = True, scale=None,
                                logits_soft_cap=None, stabilizer: str = "clis", combine: str = "clis",
-                               strategy: str = "ring", tau=None, implementation=None, block_sizes=None,
+                               strategy: str = "ring", layout: str = "zigzag", tau=None, implementation=None, block_sizes=None,
                                backward_block_sizes=None, interpret: bool = False, platform=None,
                                return_stats: bool = False):
   """Attention of this device's queries against every key along mesh axis `axis_name`; call inside
@@ -340,12 +344,16 @@ def context_parallel_attention(q, k, v, segment_ids=None, *, axis_name: str, cau
   documents; 0 = padding) or None. causal, scale, logits_soft_cap, stabilizer, tau, implementation,
   block_sizes, backward_block_sizes, interpret, platform: as `clis_kernels.attention` (the certificate uses
   the block bound). combine: "clis" (certified rows add the partials under one stabilizer) or "online" (every
-  row the online way). strategy: "ring" or "all_gather" (module docstring). Returns the output [B, 2c, Hq, D]
+  row the online way). strategy: "ring" or "all_gather" (module docstring). layout: "zigzag" (device r holds
+  chunks r and 2n − 1 − r: MaxText's dual-chunk swap) or "contiguous" (the sequence in device order: no causal
+  load balance). Returns the output [B, 2c, Hq, D]
   (and with return_stats=True this device's AttentionStats).
   """
   check_inputs(q, k, v, segment_ids, causal, stabilizer, "tile", tau, logits_soft_cap=logits_soft_cap)
   if strategy not in STRATEGIES:
     raise ValueError(f"{strategy=} must be one of {STRATEGIES}")
+  if layout not in LAYOUTS:
+    raise ValueError(f"{layout=} must be one of {LAYOUTS}")
   if combine not in COMBINES:
     raise ValueError(f"{combine=} must be one of {COMBINES}")
   if isinstance(segment_ids, masks.SegmentIds):
@@ -370,7 +378,7 @@ def context_parallel_attention(q, k, v, segment_ids=None, *, axis_name: str, cau
   static = _Static(plan, axis_name, shards, bool(causal), float(scale) if scale is not None else
                    1.0 / math.sqrt(q.shape[-1]), None if logits_soft_cap is None else float(logits_soft_cap),
                    certificate.default_tau(q.dtype) if tau is None else float(tau), strategy, combine,
-                   plan.mode is not plan_lib.Mode.ONLINE)
+                   plan.mode is not plan_lib.Mode.ONLINE, layout)
   ids = None if segment_ids is None else segment_ids.astype(jnp.int32)
   out, tiles = _context_parallel(static, q, k, v, ids)
   if not return_stats:
