@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from clis_kernels import attention
 from clis_kernels import context_parallel as cp
+from clis_kernels import reference
 from clis_kernels import reference_f64 as ref
 from clis_kernels import testing
 
@@ -123,11 +124,22 @@ def test_interpreted_triton_kernel_under_context_parallelism():
     assert ref.rel_err(g, w) < 5e-5
 
 
+def test_chunks_that_are_not_whole_blocks_are_padded():
+  """Chunks of 24 keys with blocks of 32: each chunk is padded (padding keys hidden), results stay exact."""
+  mesh = _mesh(context=2)
+  q, k, v, do = testing.random_inputs(0, 1, 2 * 2 * 24, 2, 2, 16, jnp.float32)
+  run = _sharded(mesh, implementation="reference", block_sizes=reference.BlockSizes(32, 32))
+  (out, _), vjp = jax.vjp(lambda q, k, v: jax.jit(run)(q, k, v, None), q, k, v)
+  want = ref.attention(q, k, v, do, None, causal=True)
+  for g, w in zip((out, *vjp((do, jnp.zeros(())))[:3]), want):
+    assert ref.rel_err(g, w) < 2e-6
+
+
 def test_bad_layouts_get_one_clear_error():
   mesh = _mesh(context=4)
-  q, k, v, _ = testing.random_inputs(0, 1, 4 * 2 * 24, 2, 2, 16, jnp.float32)  # chunks of 24: no block fits
-  with pytest.raises(ValueError, match="multiple of"):
-    jax.jit(_sharded(mesh, implementation="reference", block_sizes=__import__(
-        "clis_kernels.reference", fromlist=["BlockSizes"]).BlockSizes(32, 32)))(q, k, v, None)
+  q, k, v, _ = testing.random_inputs(0, 1, 4 * 2 * 24 + 4, 2, 2, 16, jnp.float32)
+  with pytest.raises(ValueError, match="multiple of 2"):
+    jax.jit(_sharded(mesh, implementation="reference"))(q, k, v, None)
+  q, k, v, _ = testing.random_inputs(0, 1, 4 * 2 * 24, 2, 2, 16, jnp.float32)
   with pytest.raises(ValueError, match="strategy="):
     jax.jit(_sharded(mesh, strategy="tree"))(q, k, v, None)

@@ -46,13 +46,14 @@ def _inputs():
   return q, k, v, seg
 
 
-def _run(config, mesh, kernel, q, k, v, seg, **kw):
-  """MaxText's AttentionOp built as its Attention layer builds it, value and vjp."""
+def _run(config, mesh, kernel, q, k, v, seg, jit=False, **kw):
+  """MaxText's AttentionOp built as its Attention layer builds it, value and vjp (jit: of the jitted call)."""
   clis_maxtext.install()
   op = attention_op.AttentionOp(config=config, mesh=mesh, attention_kernel=kernel, max_target_length=S,
                                 num_query_heads=HQ, num_kv_heads=HKV, dtype=jnp.float32, **kw)
+  call = lambda q, k, v: op(q, k, v, seg, None, common_types.MODEL_MODE_TRAIN)
   with mesh, partitioning.axis_rules(config.logical_axis_rules):
-    return jax.vjp(lambda q, k, v: op(q, k, v, seg, None, common_types.MODEL_MODE_TRAIN), q, k, v)
+    return jax.vjp(jax.jit(call) if jit else call, q, k, v)
 
 
 @pytest.mark.parametrize("kernel", ["clis", "clis_online"])
@@ -70,6 +71,31 @@ def test_matches_maxtext_dot_product_with_packed_segments(config, kernel, layout
     assert ref.rel_err(got, want) < 5e-5
   exact = ref.attention(q, k, v, do, seg, causal=True, scale=1.0)[0]  # and both against float64
   assert ref.rel_err(jnp.where(real, out, 0), exact) < 2e-5
+
+
+@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
+def test_context_parallelism_matches_one_device(config, strategy):
+  """MaxText's context axis (length sharded two ways, its load-balanced dual-chunk-swap order): the adapter runs
+  clis_kernels.context_parallel, and the result in natural order equals MaxText's dot_product on one device."""
+  from maxtext.utils import max_utils
+  q, k, v, seg = _inputs()
+  cp_config = pyconfig.initialize([None, os.path.join(os.path.dirname(maxtext.__file__), "configs", "base.yml"),
+                                   "run_name=clis_test", "attention=clis", "skip_jax_distributed_system=true",
+                                   "enable_checkpointing=false", f"max_target_length={S}",
+                                   f"base_num_query_heads={HQ}", f"base_num_kv_heads={HKV}", f"head_dim={D}",
+                                   # MaxText's config takes the ring strategy on GPUs only
+                                   f"hardware={'gpu' if strategy == 'ring' else 'cpu'}",
+                                   "ici_context_parallelism=2", f"context_parallel_strategy={strategy}"])
+  mesh = _mesh(cp_config, context=2, data=2)
+  order = lambda x: max_utils.reorder_sequence(x, cp_size=2, seq_dim=1)
+  natural = lambda x: max_utils.reorder_sequence(x, cp_size=2, seq_dim=1, to_contiguous=True)
+  real = (seg != 0)[:, :, None, None]
+  do = jnp.where(real, jax.random.normal(jax.random.PRNGKey(9), q.shape), 0.0)
+  out, vjp = _run(cp_config, mesh, "clis", *map(order, (q, k, v, seg)), jit=True)
+  want_out, want_vjp = _run(config, _mesh(config), "dot_product", q, k, v, seg)
+  assert ref.rel_err(jnp.where(real, natural(out), 0), jnp.where(real, want_out, 0)) < 2e-5
+  for got, want in zip(vjp(order(do)), want_vjp(do)):
+    assert ref.rel_err(natural(got), want) < 5e-5
 
 
 def test_bidirectional_full_attention(config):

@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from clis_kernels import SegmentIds
 from clis_kernels import attention as clis_attention
+from clis_kernels import context_parallel
 from clis_train.config import MAXTEXT_ATTENTIONS
 
 KERNELS = MAXTEXT_ATTENTIONS  # MaxText attention value -> our stabilizer (the vocabulary: clis_train/config.py)
@@ -88,8 +89,8 @@ def _attend(op, query, key, value, segment_ids, stabilizer: str, kv_segment_ids=
   shards = lambda spec: math.prod(mesh.shape[a] for a in (() if spec is None else spec if isinstance(spec, tuple)
                                                            else (spec,)))
   if shards(qkv[1]) > 1:
-    raise ValueError(f"attention=clis needs whole sequences per device, but MaxText's rules shard the length over "
-                     f"{qkv[1]!r} (context parallelism); use attention=flash for context-parallel runs")
+    return _context_parallel(op, mesh, qkv, query, key, value, segment_ids, stabilizer, causal=causal,
+                             window=window, cap=cap, kv_segment_ids=kv_segment_ids, sinks=sinks)
   head_shards = shards(qkv[2])
   if key.shape[2] % head_shards:
     raise ValueError(f"attention=clis shards kv heads over {qkv[2]!r}: num_kv_heads={key.shape[2]} must be a "
@@ -109,6 +110,40 @@ def _attend(op, query, key, value, segment_ids, stabilizer: str, kv_segment_ids=
     return fn(query, key, value, segment_ids, kv_segment_ids)
   fn = jax.shard_map(local, mesh=mesh, in_specs=(qkv, qkv, qkv, seg_spec), out_specs=qkv)
   return fn(query, key, value, segment_ids)
+
+
+def _context_parallel(op, mesh, qkv, query, key, value, segment_ids, stabilizer, *, causal, window, cap,
+                      kv_segment_ids, sinks):
+  """MaxText's context parallelism (the length sharded over one mesh axis) through
+  clis_kernels.context_parallel: its dual-chunk-swap order when the input pipeline reordered the batch for this
+  many shards (`context_parallel_load_balance`), else the natural order; its ring or all_gather strategy."""
+  from maxtext.common.common_types import ReorderStrategy
+  from maxtext.utils import max_utils
+
+  config = op.config
+  axes = [a for a in ((qkv[1],) if isinstance(qkv[1], str) else qkv[1]) if mesh.shape[a] > 1]
+  axis = axes[0]
+  strategy = str(config.context_parallel_strategy).lower()
+  refused = {f"the length sharded over several mesh axes {axes}": len(axes) != 1,
+             f"context_parallel_strategy={strategy!r} (clis takes ring and all_gather)":
+                 strategy not in context_parallel.STRATEGIES,
+             "the striped reorder strategy": config.context_parallel_reorder_strategy == ReorderStrategy.STRIPED,
+             "a sliding window": window is not None, "learned sinks": sinks is not None,
+             "separate key segment ids": kv_segment_ids is not None,
+             "a value head dim other than the query's": value.shape[-1] != query.shape[-1]}
+  bad = [name for name, present in refused.items() if present]
+  if bad:
+    raise NotImplementedError(f"attention={op.attention_kernel} with context parallelism does not support "
+                              f"{', '.join(bad)}")
+  shards = mesh.shape[axis]
+  layout = "zigzag" if max_utils.reordered_cp_size(config, mesh) == shards else "contiguous"
+  run = lambda q, k, v, seg=None: context_parallel.context_parallel_attention(
+      q, k, v, seg, axis_name=axis, causal=causal, scale=1.0, logits_soft_cap=cap, stabilizer=stabilizer,
+      strategy=strategy, layout=layout)
+  if segment_ids is None:
+    return jax.shard_map(run, mesh=mesh, in_specs=(qkv,) * 3, out_specs=qkv)(query, key, value)
+  return jax.shard_map(run, mesh=mesh, in_specs=(qkv,) * 3 + (P(qkv[0], qkv[1]),), out_specs=qkv)(
+      query, key, value, segment_ids)
 
 
 def install() -> None:

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from clis_kernels import masks
+from clis_kernels import api, masks
 from clis_kernels import plan as plan_lib
 from clis_kernels import stabilizer as certificate
 from clis_kernels.api import AttentionStats, check_inputs
@@ -368,10 +368,9 @@ def context_parallel_attention(q, k, v, segment_ids=None, *, axis_name: str, cau
                             separate_ids=segment_ids is not None, window_or_cap=logits_soft_cap is not None,
                             implementation=implementation, block_sizes=block_sizes,
                             backward_block_sizes=backward_block_sizes, interpret=interpret, platform=platform)
-  if local % 2 or (local // 2) % plan.multiple:
-    raise ValueError(f"each device's sequence ({local} = two chunks) must be two chunks of a multiple of "
-                     f"{plan.multiple} (the kernel's block) each; pad the global sequence to a multiple of "
-                     f"{2 * shards * plan.multiple}")
+  if local % 2:
+    raise ValueError(f"each device's sequence ({local}) must be two chunks of equal length: make the global "
+                     f"sequence a multiple of {2 * shards}")
   if plan.head_dim != q.shape[-1]:
     raise ValueError(f"context parallelism runs kernels at their own head dims; head_dim={q.shape[-1]} would be "
                      f"padded to {plan.head_dim}: use implementation='pallas_gpu' or 'reference'")
@@ -380,9 +379,16 @@ def context_parallel_attention(q, k, v, segment_ids=None, *, axis_name: str, cau
                    certificate.default_tau(q.dtype) if tau is None else float(tau), strategy, combine,
                    plan.mode is not plan_lib.Mode.ONLINE, layout)
   ids = None if segment_ids is None else segment_ids.astype(jnp.int32)
+  chunk, padded = local // 2, plan.padded(local // 2)
+  if padded != chunk:  # each chunk padded to whole blocks; padding keys get segment id 0, which nothing sees
+    ids = jnp.ones(q.shape[:2], jnp.int32) if ids is None else ids
+    pad = lambda x: jnp.concatenate([api.pad_seq(c, plan.multiple) for c in _split(x)], axis=1)
+    q, k, v, ids = (pad(x) for x in (q, k, v, ids))
   out, tiles = _context_parallel(static, q, k, v, ids)
+  if padded != chunk:
+    out = jnp.concatenate([c[:, :chunk] for c in _split(out)], axis=1)
   if not return_stats:
     return out
-  tiles = jnp.zeros((q.shape[0], q.shape[2], local // plan.tile), bool) if tiles is None else tiles
+  tiles = jnp.zeros((q.shape[0], q.shape[2], 2 * padded // plan.tile), bool) if tiles is None else tiles
   frac = tiles.astype(jnp.float32)
   return out, AttentionStats(tiles, frac.mean(), frac.mean(axis=(0, 2)))
