@@ -11,6 +11,9 @@ Writes JSON records, a markdown table and a PNG plot.
 
   python scripts/bench_train.py recipes/cpt.yaml --attentions clis online --steps 6 \
       --out benchmarks/results/<date>-<device>-train.json data.seq_len=8192 data.per_device_batch=1
+
+An entry of --attentions may carry its own overrides after colons, e.g. context parallelism over two GPUs against
+one GPU on the same batches: --attentions clis:mesh.context=2:mesh.data=1 clis:mesh.data=1.
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ def main():
   args = parser.parse_intermixed_args()
   trainers, states, batches, setup = {}, {}, {}, {}
   for name in args.attentions:
-    cfg = load_config(args.recipe, [*args.overrides, f"attention={name}", "train.progress_bar=false"])
+    attention, *own = name.split(":")
+    cfg = load_config(args.recipe, [*args.overrides, f"attention={attention}", "train.progress_bar=false", *own])
     t0 = time.perf_counter()
     t = Trainer(cfg)
     examples = data.build_examples(cfg.data, t.tokenizer)
@@ -57,7 +61,7 @@ def main():
     print(f"{name}: trainer and data {t1 - t0:.1f} s, init (compile and run) {t2 - t1:.1f} s, "
           f"compiled and warmed up in {t3 - t2:.1f} s", flush=True)
   times = {name: [] for name in trainers}
-  last = {}
+  last, step_loss = {}, {name: [] for name in trainers}
   for _ in range(args.steps):
     for name, t in trainers.items():
       batch = jax.device_put(next(batches[name]), t.batch_sharding)
@@ -66,6 +70,7 @@ def main():
       jax.block_until_ready(metrics)
       times[name].append(time.perf_counter() - t0)
       last[name] = {k: float(v) for k, v in jax.device_get(metrics).items()}
+      step_loss[name].append(last[name]["loss"])
   records = []
   for name, t in trainers.items():
     cfg, dims = t.cfg, t.dims
@@ -80,6 +85,7 @@ def main():
                         Hkv=dims.n_kv_heads, D=dims.head_dim, causal=True, params=dims.num_params(),
                         device=jax.devices()[0].device_kind, devices=t.mesh.size, jax_version=jax.__version__,
                         date=datetime.date.today().isoformat(), repeat=args.steps, last_loss=last[name]["loss"],
+                        step_loss=step_loss[name], mesh=dict(t.mesh.shape),
                         certified_fraction=last[name]["certified_fraction"], **setup[name]))
   base = {r["impl"]: r["tokens_per_s"] for r in records}
   for r in records:

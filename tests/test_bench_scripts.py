@@ -39,13 +39,28 @@ def test_bench_attention_quick(tmp_path):
 
 def test_bench_train_tiny(tmp_path):
   out = tmp_path / "train.json"
+  context = "clis:mesh.context=2:mesh.data=1"  # an entry with its own overrides: two devices share each sequence
   _run("scripts/bench_train.py", "recipes/cpt_tiny.yaml", f"run_dir={tmp_path}", "data.seq_len=64",
-       "data.per_device_batch=2", "--attentions", "clis", "online", "--warmup", "1", "--steps", "2", "--out", str(out))
+       "data.per_device_batch=2", "--attentions", "clis", "online", context, "--warmup", "1", "--steps", "2",
+       "--out", str(out))
   records = json.loads(out.read_text())
-  assert [r["impl"] for r in records] == ["clis", "online"]
+  assert [r["impl"] for r in records] == ["clis", "online", context]
   for r in records:
-    assert REQUIRED <= set(r) and r["pass"] == "train_step" and r["tokens_per_s"] > 0
+    assert REQUIRED <= set(r) and r["pass"] == "train_step" and r["tokens_per_s"] > 0 and len(r["step_loss"]) == 2
   assert records[0]["certified_fraction"] == 1.0
+  assert records[2]["mesh"]["context"] == 2 and records[2]["B"] == 2
+
+
+def test_bench_context_parallel_tiny(tmp_path):
+  out = tmp_path / "cp.json"
+  _run("scripts/bench_context_parallel.py", "--seq", "250", "--heads", "2", "1", "16", "--context", "2",
+       "--implementation", "reference", "--repeats", "1", "--inner", "1", "--strategies", "ring", "--out", str(out))
+  records = json.loads(out.read_text())
+  assert {(r["impl"], r["pass"]) for r in records} == {(i, p) for i in ("one_device", "ring_clis", "ring_online")
+                                                        for p in ("fwd", "fwd_bwd")}
+  for r in records:
+    assert REQUIRED <= set(r) and r["ms"] > 0 and r["scaling_efficiency"] > 0
+  assert {r["impl"]: r["certified"] for r in records}["ring_online"] == 0.0
 
 
 def test_bench_diffusion_quick(tmp_path):

@@ -142,7 +142,7 @@ class _Rows:
     b, c, hq, d = q.shape
     self.fixed = fixed
     self.acc = jnp.zeros((b, c, hq, d), jnp.float32)
-    self.m = jnp.where(fixed, m_fixed, NEG)
+    self.m = jnp.full(fixed.shape, NEG) if m_fixed is None else jnp.where(fixed, m_fixed, NEG)
     self.l = jnp.zeros((b, hq, c), jnp.float32)
 
   def add(self, o, lse):
