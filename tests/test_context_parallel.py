@@ -144,3 +144,30 @@ def test_bad_layouts_get_one_clear_error():
   q, k, v, _ = testing.random_inputs(0, 1, 4 * 2 * 24, 2, 2, 16, jnp.float32)
   with pytest.raises(ValueError, match="strategy="):
     jax.jit(_sharded(mesh, strategy="tree"))(q, k, v, None)
+
+
+ON_GPU = jax.devices()[0].platform == "gpu"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="the Mosaic GPU kernels run on an NVIDIA Hopper GPU only")
+@pytest.mark.parametrize("causal", [True, False])
+def test_mosaic_gpu_kernels_under_context_parallelism(causal):
+  """One GPU on the context axis still runs every part: two chunks, diagonal and full pairs, the gathered bound,
+  the combination and the backward, on the Mosaic GPU kernels; within the dtype's tolerance of float64 and no
+  more than CLIS_VS_ONLINE x the single-call kernel's error."""
+  from attention_base import CLIS_VS_ONLINE, TOLERANCE
+  mesh = _mesh(context=1)
+  q, k, v, do, ids = testing.inputs("packed_sinks", 1, 4096, 8, 2, 128, dtype=jnp.bfloat16)
+  kw = dict(causal=causal, implementation="pallas_mgpu")
+  run = _sharded(mesh, **kw)
+  (out, frac), vjp = jax.vjp(lambda q, k, v: jax.jit(run)(q, k, v, ids), q, k, v)
+  got = (out, *vjp((do, jnp.zeros(())))[:3])
+  single = jax.vjp(lambda q, k, v: attention(q, k, v, ids, **kw), q, k, v)
+  single = (single[0], *single[1](do))
+  want = ref.attention(q, k, v, do, ids, causal=causal)
+  fwd_tol, bwd_tol = TOLERANCE[jnp.bfloat16]
+  for name, g, s, w in zip(("out", "dq", "dk", "dv"), got, single, want):
+    assert ref.rel_err(g, w) < (fwd_tol if name == "out" else bwd_tol), name
+    assert ref.rel_err(g, w) <= CLIS_VS_ONLINE * ref.rel_err(s, w), name
+  assert float(frac) > 0.9

@@ -7,6 +7,8 @@
 #   sweep FAMILY PACKED  forward and forward+backward, clis against online, 1k-64k, causal and bidirectional
 #   bidir FAMILY       bidirectional 32k H 12 and 75,600 H 40 forward: clis, online, cuDNN
 #   diffusion          the example DiT's sampler: dense XLA, cuDNN, clis, clis with skipping
+#   context_parallel [N]  context-parallel attention over N GPUs (default 1: the machinery's cost on one) against
+#                      one GPU, CLiS combine against an online ring: causal 32k GQA 32/8 D 128, sinks
 case "$1" in
   bwd_parts)
     TAIL=30 step bwd_parts 300 python3 scripts/profile_backward.py --seq-lens 8192 16384 32768 --tokens 32768 \
@@ -32,5 +34,10 @@ case "$1" in
     TAIL=10 step diffusion 400 python3 -m scripts.bench_diffusion --weights examples/video_dit/weights.safetensors \
         --impls xla cudnn clis clis_skip --schedules " -14:-8" " -10:-4" --repeats 2 --inner 2 \
         --out "$OUT/diffusion.json" ;;
-  *) echo "usage: bench_kernels.sh bwd_parts|llm_d128|llm_d64|sweep FAMILY PACKED|bidir FAMILY|diffusion"; exit 2 ;;
+  context_parallel)
+    TAIL=12 step "context_parallel_${2:-1}" 300 python3 scripts/bench_context_parallel.py --seq 32768 \
+        --heads 32 8 128 --context "${2:-1}" --family sinks_many --repeats 5 --inner 3 \
+        --out "$OUT/context_parallel_${2:-1}.json" ;;
+  *) echo "usage: bench_kernels.sh bwd_parts|llm_d128|llm_d64|sweep FAMILY PACKED|bidir FAMILY|diffusion|"\
+"context_parallel [N]"; exit 2 ;;
 esac
