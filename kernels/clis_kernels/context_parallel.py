@@ -110,7 +110,7 @@ def _partial_forward(static, q, k, v, q_ids, k_ids, cert, kind):
       o, lse, _ = plan.backend.forward(q, k, v, _pair_ids(q_ids, k_ids), cert, mode=plan.mode, causal=causal,
                                        scale=static.scale, kv_len=None, block_sizes=plan.block_sizes, window=None,
                                        softcap=static.softcap, interpret=plan.interpret)
-      return o.astype(jnp.float32), lse
+      return varying_like(o.astype(jnp.float32), q), varying_like(lse, q)  # (a GPU kernel's outputs carry none)
     return call
 
   def skip():
@@ -126,9 +126,9 @@ def _partial_backward(static, q, k, v, q_ids, k_ids, o, lse, do, kind):
   plan = static.plan
 
   def run(causal):
-    return lambda: plan.backend.backward(q, k, v, _pair_ids(q_ids, k_ids), o, lse, do, causal=causal,
-                                         scale=static.scale, kv_len=None, block_sizes=plan.backward_block_sizes,
-                                         window=None, softcap=static.softcap, interpret=plan.interpret)
+    return lambda: tuple(varying_like(g, q) for g in plan.backend.backward(
+        q, k, v, _pair_ids(q_ids, k_ids), o, lse, do, causal=causal, scale=static.scale, kv_len=None,
+        block_sizes=plan.backward_block_sizes, window=None, softcap=static.softcap, interpret=plan.interpret))
 
   zeros = lambda: tuple(varying_like(jnp.zeros_like(x), q) for x in (q, k, v))
   return jax.lax.switch(kind, (zeros, run(False), run(static.causal)))
