@@ -171,3 +171,20 @@ def test_mosaic_gpu_kernels_under_context_parallelism(causal):
     assert ref.rel_err(g, w) < (fwd_tol if name == "out" else bwd_tol), name
     assert ref.rel_err(g, w) <= CLIS_VS_ONLINE * ref.rel_err(s, w), name
   assert float(frac) > 0.9
+
+
+def test_a_partial_with_no_visible_key_adds_nothing():
+  """What kernels leave in rows that see no key of a chunk — EMPTY_LSE, −inf with 0/0 (the Mosaic GPU kernel's
+  certified rows), NEG + log2(count) (an online row whose keys were all masked) — leaves the combination as it
+  was, with no NaN."""
+  q = jnp.zeros((1, 4, 2, 8))
+  o1, lse1 = jax.random.normal(jax.random.PRNGKey(0), q.shape), jax.random.normal(jax.random.PRNGKey(1), (1, 2, 4))
+  for fixed in (False, True):
+    rows = cp._Rows(q, jnp.full((1, 2, 4), fixed), jnp.full((1, 2, 4), 3.0))
+    rows.add(o1, lse1)
+    for o, lse in ((jnp.zeros(q.shape), cp.EMPTY_LSE), (jnp.full(q.shape, jnp.nan), -jnp.inf),
+                   (jnp.ones(q.shape), cp.NEG + 7.0)):
+      rows.add(o, jnp.full((1, 2, 4), lse))
+    out, lse = rows.result(jnp.float32)
+    np.testing.assert_allclose(out, o1, rtol=1e-6)
+    np.testing.assert_allclose(lse, lse1, rtol=1e-6)

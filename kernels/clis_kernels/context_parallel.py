@@ -146,7 +146,11 @@ class _Rows:
     self.l = jnp.zeros((b, hq, c), jnp.float32)
 
   def add(self, o, lse):
-    seen = lse < EMPTY_LSE / 2  # a row that saw no key of this chunk adds nothing
+    # A row that saw no key of this chunk adds nothing, whatever a kernel left there: EMPTY_LSE (padding rows),
+    # log2(0) = −inf and o = 0/0 (a certified row of the Mosaic GPU kernel whose keys are all of other documents),
+    # or NEG + log2(count) (an online row whose every key was masked).
+    seen = (lse > NEG / 2) & (lse < EMPTY_LSE / 2)
+    o = jnp.where(jnp.swapaxes(seen, 1, 2)[..., None], o, 0.0)
     m_new = jnp.where(self.fixed, self.m, jnp.maximum(self.m, jnp.where(seen, lse, NEG)))
     alpha = jnp.exp2(self.m - m_new)
     weight = jnp.where(seen, jnp.exp2(lse - m_new), 0.0)
@@ -214,12 +218,18 @@ def _global_certificate(static, q, k, v, ids):
   headroom, floor = certificate.headroom_from(jax.lax.pmax(vmax, static.axis_name), v.dtype, seq_len=n * 2 * chunk)
   threshold = jnp.minimum(static.tau * LOG2E, headroom + floor)
 
+  # the diagonal pair, as a single device bounds it: the backend's (U, L) kernel where it takes the call (GPUs)
+  kernel = plan.row_bounds_kernel(causal=static.causal, packed=ids is not None, window=None, separate_ids=False,
+                                  same_length=True)
   certs = []
   for slot, (qc, kc, ic, bounds) in enumerate(zip(qs, ks, idss, local)):
     mine = static.chunks_of(me)[slot]
-    upper, lower = certificate.block_row_bounds(  # the diagonal pair, exactly as a single device bounds it
-        qc, kc, ic, bounds, causal=static.causal, scale=static.scale, block=key_block, kv_len=chunk,
-        own_block=plan.tile)
+    if kernel is None:
+      upper, lower = certificate.block_row_bounds(qc, kc, ic, bounds, causal=static.causal, scale=static.scale,
+                                                  block=key_block, kv_len=chunk, own_block=plan.tile)
+    else:
+      upper, lower = kernel(qc, kc, masks.segment_ids_of(ic), bounds, causal=static.causal, scale=static.scale,
+                            block=key_block, kv_len=chunk)
     far = static.pair(mine, block_chunk) == FULL  # [2n·nb] blocks of other chunks this chunk's rows see
     far_e = (static.pair(mine, e_chunk) == FULL)[None, None] & is_exceptional  # [B, Hkv, 2n·E]
     far_upper, far_lower = _far_bounds(qc, ic, centres, radii, far, exceptional, far_e, e_ids, sigma2)
@@ -243,9 +253,10 @@ def _far_bounds(q, q_ids, centres, radii, far, keys, far_keys, key_ids, sigma2):
 
   def rows(chunk):  # a chunk of rows at a time: [rows, NB] stays small at long lengths
     q_rows, norm_rows, id_rows = chunk
-    per_block = (jnp.einsum("bihgd,buhd->bihgu", q_rows, centres) + norm_rows[..., None] * radii[:, None, :, None])
+    dot = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)  # f32 products: U stays an upper bound
+    per_block = dot("bihgd,buhd->bihgu", q_rows, centres) + norm_rows[..., None] * radii[:, None, :, None]
     per_block = jnp.where(far, per_block, NEG).max(-1)
-    scored = jnp.einsum("bihgd,behd->bihge", q_rows, keys)
+    scored = dot("bihgd,behd->bihge", q_rows, keys)
     seen = far_keys[:, None, :, None, :]
     if key_ids is not None:
       seen = seen & (id_rows[:, :, None, None, None] == key_ids[:, None, :, None, :])
