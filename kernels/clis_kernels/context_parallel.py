@@ -204,14 +204,12 @@ def _global_certificate(static, q, k, v, ids):
   flat = lambda x, axis: jnp.moveaxis(x.reshape(2 * n, *x.shape[2:]), 0, axis)
   centres = flat(centres, 1).reshape(q.shape[0], 2 * n * nb, *centres.shape[4:])  # [B, 2n·nb, Hkv, D]
   radii = flat(radii, 2).reshape(q.shape[0], -1, 2 * n * nb)  # [B, Hkv, 2n·nb]
-  block_chunk = jnp.repeat(chunk_of.reshape(-1), nb)  # [2n·nb]
   e = exceptional.shape[3]
   exceptional = jnp.moveaxis(exceptional, 2, 0).reshape(q.shape[0], 2 * n * e, *exceptional.shape[4:])
   is_exceptional = jnp.moveaxis(is_exceptional, 2, 0)  # [B, n, 2, Hkv, E]
   is_exceptional = jnp.moveaxis(is_exceptional, 3, 1).reshape(q.shape[0], -1, 2 * n * e)  # [B, Hkv, 2n·E]
   if e_ids is not None:
     e_ids = jnp.moveaxis(jnp.moveaxis(e_ids, 2, 0), 3, 1).reshape(is_exceptional.shape)
-  e_chunk = jnp.repeat(chunk_of.reshape(-1), e)
 
   vmax = jnp.where(masks.key_is_real(masks.segment_ids_of(ids), k.shape[1], k.shape[1])[..., None, None],
                    jnp.abs(v.astype(jnp.float32)), 0.0).max(axis=(1, 3))
@@ -230,21 +228,24 @@ def _global_certificate(static, q, k, v, ids):
     else:
       upper, lower = kernel(qc, kc, masks.segment_ids_of(ic), bounds, causal=static.causal, scale=static.scale,
                             block=key_block, kv_len=chunk)
-    far = static.pair(mine, block_chunk) == FULL  # [2n·nb] blocks of other chunks this chunk's rows see
-    far_e = (static.pair(mine, e_chunk) == FULL)[None, None] & is_exceptional  # [B, Hkv, 2n·E]
-    far_upper, far_lower = _far_bounds(qc, ic, centres, radii, far, exceptional, far_e, e_ids, sigma2)
-    upper, lower = jnp.maximum(upper, far_upper), jnp.maximum(lower, far_lower)
+    for g in range(2 * n):  # each other chunk these rows see wholly (a FULL pair); the rest are skipped
+      blocks, keys = slice(g * nb, (g + 1) * nb), slice(g * e, (g + 1) * e)
+      far = functools.partial(_far_bounds, qc, ic, centres[:, blocks], radii[..., blocks], exceptional[:, keys],
+                              is_exceptional[..., keys], None if e_ids is None else e_ids[..., keys], sigma2)
+      none = lambda: tuple(varying_like(jnp.full(upper.shape, NEG), qc) for _ in range(2))
+      far_upper, far_lower = jax.lax.cond(static.pair(mine, chunk_of.reshape(-1)[g]) == FULL, far, none)
+      upper, lower = jnp.maximum(upper, far_upper), jnp.maximum(lower, far_lower)
     upper, lower = certificate.soft_cap(upper, cap2), certificate.soft_cap(lower, cap2)
     certs.append(certificate.certificate_of(upper, lower, headroom, threshold, masks.segment_ids_of(ic),
                                             block_q=plan.tile, seq_len=chunk, granularity="tile"))
   return certs
 
 
-def _far_bounds(q, q_ids, centres, radii, far, keys, far_keys, key_ids, sigma2):
-  """Base-2 (U, L) [B, Hq, c] of rows q [B, c, Hq, D] over the other chunks they see, NEG where none: U is
-  the block bound over the visible blocks (centres [B, NB, Hkv, D], radii [B, Hkv, NB], far [NB]) and their
-  exceptional keys scored exactly (keys [B, NE, Hkv, D], far_keys [B, Hkv, NE]); L the exceptional keys the
-  row sees (its segment, q_ids [B, c] against key_ids [B, Hkv, NE]; None: unpacked), each a visible logit."""
+def _far_bounds(q, q_ids, centres, radii, keys, far_keys, key_ids, sigma2):
+  """Base-2 (U, L) [B, Hq, c] of rows q [B, c, Hq, D] over one other chunk they see wholly: U is the block bound
+  over its blocks (centres [B, nb, Hkv, D], radii [B, Hkv, nb]) and its exceptional keys scored exactly (keys
+  [B, E, Hkv, D], far_keys [B, Hkv, E]: which slots hold one); L the exceptional keys the row sees (its segment,
+  q_ids [B, c] against key_ids [B, Hkv, E]; None: unpacked), each a visible logit; NEG where none."""
   b, c, hq, d = q.shape
   hkv = centres.shape[2]
   qg = jax.lax.stop_gradient(q).astype(jnp.float32).reshape(b, c, hkv, hq // hkv, d)
@@ -255,7 +256,7 @@ def _far_bounds(q, q_ids, centres, radii, far, keys, far_keys, key_ids, sigma2):
     q_rows, norm_rows, id_rows = chunk
     dot = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)  # f32 products: U stays an upper bound
     per_block = dot("bihgd,buhd->bihgu", q_rows, centres) + norm_rows[..., None] * radii[:, None, :, None]
-    per_block = jnp.where(far, per_block, NEG).max(-1)
+    per_block = per_block.max(-1)
     scored = dot("bihgd,behd->bihge", q_rows, keys)
     seen = far_keys[:, None, :, None, :]
     if key_ids is not None:
