@@ -1,7 +1,8 @@
 """Attention backends for the example DiT, and the flow-matching Euler sampler.
 
 `make_attend(name)` gives the model's self-attention: "xla" (dense jax.nn), "cudnn", "online"
-and "clis" (clis_kernels.attention, bidirectional), and "clis_skip" / "online_skip"
+and "clis" (clis_kernels.attention, bidirectional), "clis_cp" / "online_cp" (the video tokens split over every
+device, clis_kernels.context_parallel), and "clis_skip" / "online_skip"
 (kernels/clis_kernels/diffusion temporal tile skipping, one SkipState per layer threaded by the sampler,
 thr per step from `diffusion.threshold_schedule`).
 """
@@ -14,13 +15,16 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from clis_kernels import attention as clis_attention
+from clis_kernels import context_parallel
 from clis_kernels import diffusion
 from clis_kernels import plan as plan_lib
 from examples.video_dit.model import DiTConfig, VideoDiT
 
-BACKENDS = ("xla", "cudnn", "online", "clis", "online_skip", "clis_skip")
+BACKENDS = ("xla", "cudnn", "online", "clis", "online_cp", "clis_cp", "online_skip", "clis_skip")
 
 
 @functools.lru_cache(maxsize=None)
@@ -46,6 +50,8 @@ def make_attend(name: str, thr=None, cfg: DiTConfig | None = None):
     return lambda q, k, v, state: (jax.nn.dot_product_attention(q, k, v, implementation=name), state, None)
   if name in ("online", "clis"):
     return lambda q, k, v, state: (clis_attention(q, k, v, causal=False, stabilizer=name), state, None)
+  if name in ("online_cp", "clis_cp"):
+    return _context_parallel_attend(name.removesuffix("_cp"))
   kw = _skip_kw(cfg)
 
   def attend(q, k, v, state):
@@ -53,6 +59,20 @@ def make_attend(name: str, thr=None, cfg: DiTConfig | None = None):
                                             **kw)
     return out, state, stats.sparsity
   return attend
+
+
+def _context_parallel_attend(stabilizer: str):
+  """Self-attention with the video tokens split over every device (a `context` mesh axis, natural order:
+  bidirectional attention needs no load balancing); the token count must be a multiple of 2 × devices."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()), ("context",))
+  tokens = P(None, "context")
+
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(tokens,) * 3, out_specs=tokens)
+  def run(q, k, v):
+    return context_parallel.context_parallel_attention(q, k, v, axis_name="context", causal=False,
+                                                       stabilizer=stabilizer, combine=stabilizer, layout="contiguous")
+
+  return lambda q, k, v, state: (run(q, k, v), state, None)
 
 
 def make_calibrating_attend(name: str, target: float, thrs: list, cfg: DiTConfig):
