@@ -27,9 +27,9 @@ from clis_train.config import ATTENTIONS
 BATCH_AXES = ("data", "fsdp")
 
 
-def _cudnn(q, k, v, segment_ids):
+def _cudnn(q, k, v, segment_ids, window=None):
   seg = jax.vmap(lambda s: masks.visible(jnp.arange(s.shape[0]), jnp.arange(s.shape[0]), s, s, causal=True,
-                                         kv_len=None))(segment_ids)
+                                         kv_len=None, window=window))(segment_ids)
   out = jax.nn.dot_product_attention(q, k, v, mask=seg[:, None], implementation="cudnn")
   return jnp.where((segment_ids != 0)[:, :, None, None], out, 0).astype(q.dtype)
 
@@ -42,70 +42,107 @@ def _document_starts(segment_ids):
   return jax.lax.cummax(jnp.where(new, pos, 0), axis=1)
 
 
-def tokamax_documents(q, k, v, segment_ids, *, on_gpu: bool):
+def tokamax_documents(q, k, v, segment_ids, *, on_gpu: bool, window=None, softcap=None):
   """Causal attention within packed documents through tokamax: its ops take a mask whose rows each see keys
-  [k_start, row] (tokamax's own example of independent causal sequences), so no [S, S] array is built.
-  Padding tokens (id 0) form one more document whose outputs are zeroed, as every other backend does."""
+  [k_start, row] (tokamax's own example of independent causal sequences), so no [S, S] array is built; a sliding
+  window raises k_start to row − window. Padding tokens (id 0) form one more document whose outputs are zeroed,
+  as every other backend does."""
   try:  # tokamax 0.0.17 exports neither Mask (the ops' mask type) nor, without jax_triton, the op via tokamax.ops.gpu
     from tokamax._src.ops.attention import base, pallas_mosaic_gpu
   except ImportError as e:
     raise ValueError("attention='tokamax' needs tokamax (`pip install tokamax`, or the maxtext extra): "
                      f"{e}") from e
   op = pallas_mosaic_gpu.PallasMosaicGpuFlashAttention() if on_gpu else base.DotProductAttention()
-  mask = base.Mask(k_start=_document_starts(segment_ids)[:, None, :], is_causal=True)
-  out = op(q, k, v, mask=mask)
+  k_start = _document_starts(segment_ids)
+  if window is not None:
+    k_start = jnp.maximum(k_start, jnp.arange(segment_ids.shape[1], dtype=jnp.int32) - window)
+  out = op(q, k, v, mask=base.Mask(k_start=k_start[:, None, :], is_causal=True), logits_soft_cap=softcap)
   return jnp.where((segment_ids != 0)[:, :, None, None], out, 0).astype(q.dtype)
+
+
+UNSUPPORTED = {  # attention -> the model options it does not take (sliding window, soft cap, learned sinks)
+    "cudnn": ("soft cap", "sinks"),  # jax.nn.dot_product_attention takes neither
+    "tokamax": ("sinks",),
+}
+COMBINING = ("clis", "online", "clis_mgpu", "online_mgpu")  # what context parallelism runs
+
+
+def unsupported(name: str, *, window=None, softcap=None, sinks=False, context: int = 1) -> str | None:
+  """Why `attention=name` cannot run these options (a sentence naming them and what to use), or None."""
+  asked = {"sliding window": window is not None, "soft cap": softcap is not None, "sinks": bool(sinks)}
+  missing = [o for o in UNSUPPORTED.get(name, ()) if asked[o]]
+  if context > 1:
+    missing += [o for o in ("sliding window", "sinks") if asked[o] and o not in missing]
+  if not missing:
+    return None
+  where = f"attention={name!r}" + (f" with mesh.context={context}" if context > 1 else "")
+  return (f"{where} takes no {' or '.join(missing)}; use attention=clis, online or dot_product"
+          + (" on a mesh without a context axis" if context > 1 else ""))
 
 
 def make_attention(name: str, mesh: jax.sharding.Mesh | None, *, granularity: str = "tile", platform=None,
                    context_strategy: str = "ring"):
-  """Returns attend(q, k, v, segment_ids) -> (out [B,S,Hq,D], certified_fraction scalar), jitted: every
-  layer then calls one traced and lowered function, so the step's module holds each kernel once instead of
-  once per layer (compile time: notes/kernels.md, round 7). platform: a clis_kernels.plan.Platform to plan the kernels for (default:
-  this machine's). context_strategy: "ring" or "all_gather", where the mesh has a context axis of more than one
-  device."""
+  """Returns attend(q, k, v, segment_ids, sinks=None, *, window=None, softcap=None) -> (out [B,S,Hq,Dv],
+  certified_fraction scalar). One jitted function per (window, softcap, sinks or not): every layer of one kind
+  then calls one traced and lowered function, so the step's module holds each kernel once instead of once per
+  layer (compile time: notes/kernels.md, round 7). window: keys before each query a sliding window keeps (None:
+  all); softcap: logits become c·tanh(s / c); sinks: [Hq] learned sink logits. platform: a
+  clis_kernels.plan.Platform to plan the kernels for (default: this machine's). context_strategy: "ring" or
+  "all_gather", where the mesh has a context axis of more than one device."""
   context = 1 if mesh is None else dict(mesh.shape).get("context", 1)
-  if name in ("clis", "online", "clis_mgpu", "online_mgpu"):
-    stabilizer, _, backend = name.partition("_")
-    implementation = "pallas_mgpu" if backend else None  # *_mgpu: the Mosaic GPU kernels (Hopper)
+  if name not in ATTENTIONS:
+    raise ValueError(f"attention={name!r} must be one of {', '.join(ATTENTIONS)}")
+  if name == "cudnn" and jax.devices()[0].platform != "gpu":
+    raise ValueError(f"attention='cudnn' needs an NVIDIA GPU; this platform is {jax.devices()[0].platform!r}: "
+                     "use attention=clis, online or dot_product")
+  if context > 1 and name not in COMBINING:
+    raise ValueError(f"attention={name!r} sees whole sequences; a mesh with context={context} needs clis or online")
+  on_gpu = (platform.name if platform is not None else jax.devices()[0].platform) == "gpu"
 
-    def attend(q, k, v, seg):
+  def kernel(q, k, v, seg, sinks, *, window, softcap):
+    local = None if window is None else (window, 0)
+    if name in COMBINING:
+      stabilizer, _, backend = name.partition("_")
+      implementation = "pallas_mgpu" if backend else None  # *_mgpu: the Mosaic GPU kernels (Hopper)
       if context > 1:
         out, stats = context_parallel.context_parallel_attention(
-            q, k, v, seg, axis_name="context", causal=True, stabilizer=stabilizer, strategy=context_strategy,
-            implementation=implementation, return_stats=True, platform=platform)
+            q, k, v, seg, axis_name="context", causal=True, logits_soft_cap=softcap, stabilizer=stabilizer,
+            strategy=context_strategy, implementation=implementation, return_stats=True, platform=platform)
       else:
-        out, stats = clis_attention(q, k, v, seg, causal=True, stabilizer=stabilizer, granularity=granularity,
+        out, stats = clis_attention(q, k, v, seg, causal=True, local_window_size=local, logits_soft_cap=softcap,
+                                    sinks=sinks, stabilizer=stabilizer, granularity=granularity,
                                     implementation=implementation, return_stats=True, platform=platform)
       return out, stats.certified_fraction
-  elif name == "dot_product":
-    def attend(q, k, v, seg):
-      return clis_attention(q, k, v, seg, causal=True, implementation="xla"), jnp.zeros((), jnp.float32)
-  elif name == "cudnn":
-    if jax.devices()[0].platform != "gpu":
-      raise ValueError(f"attention='cudnn' needs an NVIDIA GPU; this platform is {jax.devices()[0].platform!r}: "
-                       "use attention=clis, online or dot_product")
-    def attend(q, k, v, seg):
-      return _cudnn(q, k, v, seg), jnp.zeros((), jnp.float32)
-  elif name == "tokamax":
-    on_gpu = (platform.name if platform is not None else jax.devices()[0].platform) == "gpu"
+    none = jnp.zeros((), jnp.float32)
+    if name == "dot_product":
+      return clis_attention(q, k, v, seg, causal=True, local_window_size=local, logits_soft_cap=softcap,
+                            sinks=sinks, implementation="xla"), none
+    if name == "cudnn":
+      return _cudnn(q, k, v, seg, window), none
+    return tokamax_documents(q, k, v, seg, on_gpu=on_gpu, window=window, softcap=softcap), none
 
-    def attend(q, k, v, seg):
-      return tokamax_documents(q, k, v, seg, on_gpu=on_gpu), jnp.zeros((), jnp.float32)
-  else:
-    raise ValueError(f"attention={name!r} must be one of {', '.join(ATTENTIONS)}")
-  if context > 1 and name not in ("clis", "online", "clis_mgpu", "online_mgpu"):
-    raise ValueError(f"attention={name!r} sees whole sequences; a mesh with context={context} needs clis or online")
+  @functools.cache
+  def compiled(window, softcap, with_sinks):
+    problem = unsupported(name, window=window, softcap=softcap, sinks=with_sinks, context=context)
+    if problem:
+      raise ValueError(problem)
+    run = functools.partial(kernel, window=window, softcap=softcap)
+    if mesh is None or mesh.size == 1:
+      return jax.jit(run)
+    sequence = "context" if context > 1 else None
+    heads = P(BATCH_AXES, sequence, "tensor", None)
+    axes = tuple(a for a in mesh.axis_names if a != "context" or context > 1)
 
-  if mesh is None or mesh.size == 1:
-    return jax.jit(attend)
-  sequence = "context" if context > 1 else None
-  heads = P(BATCH_AXES, sequence, "tensor", None)
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(heads, heads, heads, P(BATCH_AXES, sequence),
+                                                           P("tensor") if with_sinks else None),
+                       out_specs=(heads, P()))
+    def sharded(q, k, v, seg, sinks):
+      out, certified = run(q, k, v, seg, sinks)
+      return out, jax.lax.pmean(certified, axes)
 
-  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(heads, heads, heads, P(BATCH_AXES, sequence)),
-                     out_specs=(heads, P()))
-  def sharded(q, k, v, seg):
-    out, certified = attend(q, k, v, seg)
-    return out, jax.lax.pmean(certified, tuple(a for a in mesh.axis_names if a != "context" or context > 1))
+    return jax.jit(sharded)
 
-  return jax.jit(sharded)
+  def attend(q, k, v, segment_ids, sinks=None, *, window=None, softcap=None):
+    return compiled(window, softcap, sinks is not None)(q, k, v, segment_ids, sinks)
+
+  return attend

@@ -161,15 +161,20 @@ def saved_steps(path: str, what: str = "checkpoint") -> list[int]:
     return sorted(mngr.all_steps())
 
 
-def load_params(path: str, abstract_params, *, step: int | None = None, what: str = "checkpoint.init_from"):
+def load_params(path: str, abstract_params, *, step: int | None = None, what: str = "checkpoint.init_from",
+                dims=None):
   """Parameters from an orbax run folder/checkpoint (the newest step, or `step`), or a Hugging Face
-  Llama safetensors folder. `what` names the argument in errors."""
+  Llama safetensors folder (its config.json checked against `dims`, the model's ModelDims, when given). `what`
+  names the argument in errors."""
   root = pathlib.Path(path)
   if not root.exists():
     raise CheckpointError(f"{what}={path!r} does not exist")
   if list(root.glob("*.safetensors")):
     from clis_train import hf
-    params = hf.load_llama_safetensors(root, abstract_params)
+    try:
+      params = hf.load_llama_safetensors(root, abstract_params, dims)
+    except ValueError as e:
+      raise CheckpointError(f"{what}: {e}") from e
   else:
     with _reader(path) as mngr:
       steps = sorted(mngr.all_steps())

@@ -52,6 +52,14 @@ class ModelConfig:
   rope_theta: float | None = None
   norm_eps: float | None = None
   tie_embeddings: bool | None = None
+  qk_head_dim: int | None = None  # the other families' attention options (clis_train/model.py ModelDims)
+  v_head_dim: int | None = None
+  attn_soft_cap: float | None = None
+  final_soft_cap: float | None = None
+  sliding_window: int | None = None
+  global_every: int | None = None
+  sinks: bool | None = None
+  rope_scaling: tuple[float, ...] | None = None  # Llama 3.1+: [factor, low_freq_factor, high_freq_factor, original]
   dtype: str = "bfloat16"  # compute dtype; parameters stay float32 (the master weights)
   remat: str = "none"  # none | full | dots
 
@@ -211,7 +219,10 @@ def _check_type(key: str, value: Any, tp, origin: str) -> Any:
     if option is str and isinstance(value, str):
       return value
     if typing.get_origin(option) is tuple and isinstance(value, (list, tuple)):
-      return tuple(_source(f"{key}[{i}]", item, origin) for i, item in enumerate(value))
+      item_type = typing.get_args(option)[0]
+      if item_type is SourceConfig:
+        return tuple(_source(f"{key}[{i}]", item, origin) for i, item in enumerate(value))
+      return tuple(_check_type(f"{key}[{i}]", item, item_type, origin) for i, item in enumerate(value))
   names = " or ".join("null" if a is type(None) else a.__name__ for a in allowed)
   raise ConfigError(f"{origin}: {key}={value!r} must be {names}")
 

@@ -4,7 +4,9 @@ HF stores linear weights as [out, in]; Flax Dense kernels are [in, out]. Names m
 model.layers.{i}.self_attn.{q,k,v,o}_proj → layer_{i}/attention/w{q,k,v,o},
 mlp.{gate,up,down}_proj → mlp/w{1,3,2}, input_layernorm → attention_norm,
 post_attention_layernorm → mlp_norm; embed_tokens → embed; model.norm → norm; lm_head.
-Both sides use the rotate-half RoPE layout, so no permutation is needed.
+Both sides use the rotate-half RoPE layout, so no permutation is needed. A folder's config.json says what it
+holds: Llama and Mistral load (their dims must match the model's); other architectures get one error that names
+what our Llama blocks lack for them.
 """
 
 from __future__ import annotations
@@ -31,6 +33,76 @@ _LAYER = {
 }
 
 
+LLAMA_LIKE = ("llama", "mistral")
+# model_type -> what our blocks lack to run that architecture's weights (its attention shape may still be a preset)
+MISSING = {
+    "gemma": "GeGLU MLPs, (1 + w) norm weights and sqrt(dim)-scaled embeddings",
+    "gemma2": "the post-attention and post-MLP norms, GeGLU MLPs, (1 + w) norm weights and sqrt(dim)-scaled "
+              "embeddings (model.preset=gemma2_2b trains its attention's shape from scratch)",
+    "gemma3": "QK norms, the post-attention and post-MLP norms, GeGLU MLPs, (1 + w) norm weights and "
+              "sqrt(dim)-scaled embeddings",
+    "gpt_oss": "the mixture-of-experts MLP and the attention biases (model.preset=gpt_oss_20b trains its "
+               "attention's shape from scratch)",
+    "deepseek_v2": "MLA's low-rank query and key/value projections with their decoupled RoPE, and the "
+                   "mixture-of-experts MLPs (model.preset=deepseek_v2_lite trains MLA's head dims from scratch)",
+    "deepseek_v3": "MLA's low-rank query and key/value projections with their decoupled RoPE, and the "
+                   "mixture-of-experts MLPs",
+    "qwen2": "the biases of the q, k and v projections",
+    "qwen3": "the q and k RMSNorms (QK norm)",
+}
+
+
+def _rope_theta(config: dict):
+  return config.get("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta"))
+
+
+def check_config(folder: pathlib.Path, dims) -> None:
+  """One ValueError if folder/config.json (when there is one) is not a Llama-like model of `dims`' shape: it
+  names the architecture's missing parts, or each setting that differs and the model.* key to set."""
+  path = pathlib.Path(folder) / "config.json"
+  if not path.is_file():
+    return
+  config = json.loads(path.read_text())
+  kind = config.get("model_type")
+  if kind not in LLAMA_LIKE:
+    lacks = MISSING.get(kind, "its layers (only Llama-architecture weights load)")
+    raise ValueError(f"{str(folder)!r} holds a {kind!r} model (config.json model_type); clis-train's model loads "
+                     f"Llama and Mistral weights and lacks {lacks}")
+  if config.get("attention_bias") or config.get("mlp_bias"):
+    raise ValueError(f"{str(folder)!r} has biases (attention_bias / mlp_bias in config.json); clis-train's model "
+                     "has none")
+  scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
+  kind_of_rope = scaling.get("rope_type", scaling.get("type", "default"))
+  if kind_of_rope not in ("default", "llama3"):
+    raise ValueError(f"{str(folder)!r} uses RoPE scaling {kind_of_rope!r}; clis-train's model applies none or "
+                     "Llama 3's (rope_type llama3)")
+  rope_scaling = None if kind_of_rope == "default" else [
+      float(scaling[k]) for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")]
+  want = {
+      "dim": config.get("hidden_size"), "n_layers": config.get("num_hidden_layers"),
+      "n_heads": config.get("num_attention_heads"),
+      "n_kv_heads": config.get("num_key_value_heads", config.get("num_attention_heads")),
+      "ffn_dim": config.get("intermediate_size"), "vocab_size": config.get("vocab_size"),
+      "head_dim": config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+      "rope_theta": _rope_theta(config), "norm_eps": config.get("rms_norm_eps"),
+      "tie_embeddings": config.get("tie_word_embeddings", False),
+      "sliding_window": config.get("sliding_window") if kind == "mistral" else None,
+      "rope_scaling": rope_scaling,
+  }
+  ours = {name: getattr(dims, name) for name in want}
+  ours["sliding_window"] = dims.sliding_window if dims.global_every is None else "on some layers only"
+  ours["rope_scaling"] = None if dims.rope_scaling is None else list(dims.rope_scaling)
+  same = lambda a, b: (a == b if not isinstance(a, float) or not isinstance(b, float)
+                       else abs(a - b) <= 1e-9 * abs(a))
+  differ = [f"model.{'qk_head_dim' if k == 'head_dim' else k}={v!r} (ours: {ours[k]!r})" for k, v in want.items()
+            if v is not None and not same(v, ours[k])]
+  for name in ("sliding_window", "rope_scaling"):  # absent in the checkpoint: ours must be off too
+    if want[name] is None and ours[name] is not None:
+      differ.append(f"model.{name}=null (ours: {ours[name]!r})")
+  if differ:
+    raise ValueError(f"{str(folder)!r} config.json differs from the model: set {', '.join(differ)}")
+
+
 def _hf_name(path: tuple[str, ...]) -> str:
   if path[0] == "embed":
     return "model.embed_tokens.weight"
@@ -42,8 +114,11 @@ def _hf_name(path: tuple[str, ...]) -> str:
   return f"model.layers.{layer}.{_LAYER[path[1:]]}"
 
 
-def load_llama_safetensors(folder: pathlib.Path, abstract_params):
-  """Reads every *.safetensors file in `folder` into a float32 tree shaped like abstract_params."""
+def load_llama_safetensors(folder: pathlib.Path, abstract_params, dims=None):
+  """Reads every *.safetensors file in `folder` into a float32 tree shaped like abstract_params (after
+  check_config against `dims`, when given)."""
+  if dims is not None:
+    check_config(folder, dims)
   tensors = {}
   for file in sorted(folder.glob("*.safetensors")):
     with safe_open(str(file), framework="flax") as f:
@@ -68,13 +143,25 @@ def load_llama_safetensors(folder: pathlib.Path, abstract_params):
 
 
 def llama_config(dims, *, max_positions: int, bos_id, eos_id) -> dict:
-  """transformers' LlamaConfig for our dims (rope_theta both flat, for transformers 4, and in
-  rope_parameters, as transformers 5 writes it)."""
+  """transformers' LlamaConfig for our dims (rope_theta and Llama 3's scaling both flat, for transformers 4, and in
+  rope_parameters, as transformers 5 writes it). Dims beyond Llama's (a window, caps, sinks, a split v head dim)
+  have no Llama config: an error names them."""
+  beyond = [name for name in ("v_head_dim", "attn_soft_cap", "final_soft_cap", "sliding_window", "sinks")
+            if getattr(dims, name) not in (None, False)]
+  if beyond:
+    raise ValueError(f"a model with {', '.join(beyond)} set has no Hugging Face Llama config; export it as an "
+                     "orbax checkpoint (its run folder) instead")
+  rope = {"rope_type": "default", "rope_theta": dims.rope_theta}
+  if dims.rope_scaling is not None:
+    factor, low, high, original = dims.rope_scaling
+    rope = {"rope_type": "llama3", "rope_theta": dims.rope_theta, "factor": factor, "low_freq_factor": low,
+            "high_freq_factor": high, "original_max_position_embeddings": int(original)}
   return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": dims.vocab_size,
           "hidden_size": dims.dim, "intermediate_size": dims.ffn_dim, "num_hidden_layers": dims.n_layers,
           "num_attention_heads": dims.n_heads, "num_key_value_heads": dims.n_kv_heads, "head_dim": dims.head_dim,
           "hidden_act": "silu", "rms_norm_eps": dims.norm_eps, "rope_theta": dims.rope_theta,
-          "rope_parameters": {"rope_type": "default", "rope_theta": dims.rope_theta},
+          "rope_scaling": None if dims.rope_scaling is None else {k: v for k, v in rope.items() if k != "rope_theta"},
+          "rope_parameters": rope,
           "tie_word_embeddings": dims.tie_embeddings, "max_position_embeddings": max_positions,
           "attention_bias": False, "mlp_bias": False, "bos_token_id": bos_id, "eos_token_id": eos_id,
           "torch_dtype": "float32"}
@@ -90,6 +177,7 @@ def save_llama_safetensors(params, dims, folder: pathlib.Path, *, max_positions:
   if folder.exists() and any(folder.iterdir()):
     raise FileExistsError(f"--hf {str(folder)!r} exists and is not empty; choose a new folder (an export never "
                           "overwrites)")
+  config = llama_config(dims, max_positions=max_positions, bos_id=bos_id, eos_id=eos_id)  # before any file
   folder.mkdir(parents=True, exist_ok=True)
   tensors = {}
   for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
@@ -98,8 +186,7 @@ def save_llama_safetensors(params, dims, folder: pathlib.Path, *, max_positions:
     tensors[_hf_name(keys)] = np.ascontiguousarray(value.T if keys[-1] == "kernel" else value)
   written = [folder / "model.safetensors", folder / "config.json"]
   save_file(tensors, str(written[0]), metadata={"format": "pt"})
-  written[1].write_text(json.dumps(llama_config(dims, max_positions=max_positions, bos_id=bos_id, eos_id=eos_id),
-                                   indent=1))
+  written[1].write_text(json.dumps(config, indent=1))
   if tokenizer_path is not None:
     written.append(folder / "tokenizer.json")
     shutil.copyfile(tokenizer_path, written[-1])

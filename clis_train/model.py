@@ -1,5 +1,10 @@
 """A Llama-style decoder in Flax: RMSNorm, RoPE, SwiGLU, GQA. Read top to bottom.
 
+The attention options of the other popular families ride on the same blocks: an explicit head dim
+(Gemma: 256), a value head dim other than the q·k one (MLA's shapes: 192 / 128), a logits soft cap and a
+final-logits cap (Gemma 2), a sliding window on some or all layers (Mistral, Gemma 2/3, gpt-oss) and learned
+per-head sink logits (gpt-oss). Their MLPs and norms stay Llama's: the presets take their attention's shape.
+
 Parameters are float32 (master weights); activations run in `dtype` (bf16 by default).
 Attention has one call site, `Attention.__call__`, which calls the function the trainer
 built from `attention:` (clis_train/attention.py); its post-RoPE q, k, v are sown into the
@@ -11,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Callable
 
 import flax.linen as nn
@@ -31,14 +37,36 @@ class ModelDims:
   rope_theta: float = 500000.0
   norm_eps: float = 1e-5
   tie_embeddings: bool = False
+  qk_head_dim: int | None = None  # None: dim // n_heads
+  v_head_dim: int | None = None  # None: the q·k head dim (MLA: q·k 192, v 128)
+  attn_soft_cap: float | None = None  # attention logits become c·tanh(s / c) (Gemma 2: 50)
+  final_soft_cap: float | None = None  # the output logits too (Gemma 2: 30)
+  sliding_window: int | None = None  # local layers: each query sees itself and this many keys before it
+  global_every: int | None = None  # with a window: layers global_every, 2·global_every, ... (1-based) see every
+                                   #   key (Gemma 2, gpt-oss: 2; Gemma 3: 6); None: every layer is local
+  sinks: bool = False  # a learned sink logit per query head (gpt-oss): one more term in the softmax's denominator
+  rope_scaling: tuple[float, float, float, float] | None = None  # Llama 3.1+'s: (factor, low_freq_factor,
+                                                                 #   high_freq_factor, original_max_positions)
 
   @property
   def head_dim(self) -> int:
-    return self.dim // self.n_heads
+    """The q·k head dim."""
+    return self.qk_head_dim or self.dim // self.n_heads
+
+  @property
+  def value_dim(self) -> int:
+    return self.v_head_dim or self.head_dim
+
+  def layer_window(self, layer: int) -> int | None:
+    """Keys before each query that layer `layer` (0-based) sees; None: all of them."""
+    if self.sliding_window is None or (self.global_every and (layer + 1) % self.global_every == 0):
+      return None
+    return self.sliding_window
 
   def num_params(self) -> int:
-    attn = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
-    layer = attn + 3 * self.dim * self.ffn_dim + 2 * self.dim
+    hd, vd = self.head_dim, self.value_dim
+    attn = self.dim * (hd * (self.n_heads + self.n_kv_heads) + vd * (self.n_kv_heads + self.n_heads))
+    layer = attn + 3 * self.dim * self.ffn_dim + 2 * self.dim + (self.n_heads if self.sinks else 0)
     embed = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
     return self.n_layers * layer + embed + self.dim
 
@@ -48,10 +76,31 @@ PRESETS = {
                       rope_theta=10000.0, tie_embeddings=True),
     "small": ModelDims(vocab_size=32000, dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_dim=2048),
     "1b": ModelDims(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192,
-                    tie_embeddings=True),  # Llama-3.2-1B's shape
+                    tie_embeddings=True, rope_scaling=(32.0, 1.0, 4.0, 8192.0)),  # Llama-3.2-1B's
     "3b": ModelDims(vocab_size=128256, dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim=8192,
-                    tie_embeddings=True),  # Llama-3.2-3B's shape (head dim 128)
-    "8b": ModelDims(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336),
+                    tie_embeddings=True, rope_scaling=(32.0, 1.0, 4.0, 8192.0)),  # Llama-3.2-3B's (head dim 128)
+    "8b": ModelDims(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+                    rope_scaling=(8.0, 1.0, 4.0, 8192.0)),  # Llama-3.1-8B's
+    # The other families' attention on Llama blocks (their MLPs, norms and mixtures of experts are not modelled):
+    # Gemma-2-2B's (head dim 256, caps 50 and 30, window 4096 on alternate layers), gpt-oss-20b's (64/8 heads of
+    # 64, learned sinks, window 128 on alternate layers; a dense MLP of its experts' width) and DeepSeek-V2-Lite's
+    # MLA shapes (16 heads, q·k 192, v 128; K and V as MLA decompresses them, no low-rank cache), each with a
+    # tiny twin for CPUs and tests.
+    "gemma2_2b": ModelDims(vocab_size=256000, dim=2304, n_layers=26, n_heads=8, n_kv_heads=4, ffn_dim=9216,
+                           rope_theta=10000.0, norm_eps=1e-6, tie_embeddings=True, qk_head_dim=256,
+                           attn_soft_cap=50.0, final_soft_cap=30.0, sliding_window=4096, global_every=2),
+    "gemma2_tiny": ModelDims(vocab_size=384, dim=128, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=384,
+                             rope_theta=10000.0, norm_eps=1e-6, tie_embeddings=True, qk_head_dim=128,
+                             attn_soft_cap=50.0, final_soft_cap=30.0, sliding_window=32, global_every=2),
+    "gpt_oss_20b": ModelDims(vocab_size=201088, dim=2880, n_layers=24, n_heads=64, n_kv_heads=8, ffn_dim=2880,
+                             rope_theta=150000.0, qk_head_dim=64, sliding_window=128, global_every=2, sinks=True),
+    "gpt_oss_tiny": ModelDims(vocab_size=384, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=384,
+                              rope_theta=10000.0, tie_embeddings=True, qk_head_dim=32, sliding_window=32,
+                              global_every=2, sinks=True),
+    "deepseek_v2_lite": ModelDims(vocab_size=102400, dim=2048, n_layers=27, n_heads=16, n_kv_heads=16,
+                                  ffn_dim=10944, rope_theta=10000.0, norm_eps=1e-6, qk_head_dim=192, v_head_dim=128),
+    "deepseek_tiny": ModelDims(vocab_size=384, dim=128, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=384,
+                               rope_theta=10000.0, tie_embeddings=True, qk_head_dim=48, v_head_dim=32),
 }
 
 
@@ -67,10 +116,23 @@ class RMSNorm(nn.Module):
     return (x32 * scale).astype(self.dtype)
 
 
-def rope(x, positions, theta):
+def rope_frequencies(half: int, theta: float, scaling=None):
+  """[half] f32 inverse wavelengths of the rotary embedding; `scaling` = Llama 3.1+'s (factor, low_freq_factor,
+  high_freq_factor, original_max_positions): long wavelengths slow down by `factor`, short ones stay, and the
+  band between blends the two."""
+  freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  if scaling is None:
+    return freqs
+  factor, low, high, original = scaling
+  wavelength = 2 * math.pi / freqs
+  blend = jnp.clip((original / wavelength - low) / (high - low), 0.0, 1.0)  # 0: long wavelengths, 1: short ones
+  return (1 - blend) * freqs / factor + blend * freqs
+
+
+def rope(x, positions, theta, scaling=None):
   """Rotary embedding on [B, S, H, D] with the rotate-half layout Hugging Face's Llama uses."""
   half = x.shape[-1] // 2
-  freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  freqs = rope_frequencies(half, theta, scaling)
   angles = positions.astype(jnp.float32)[..., None, None] * freqs  # [B, S, 1, D/2]
   cos, sin = jnp.cos(angles), jnp.sin(angles)
   x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
@@ -80,7 +142,8 @@ def rope(x, positions, theta):
 # Every parameter's initialiser, by its leaf name: the modules below take theirs from here, and
 # `init_params` draws each leaf from it directly, so initialising never traces the forward.
 WEIGHT_INIT = nn.initializers.normal(0.02)  # Dense kernels and the embedding
-INITIALIZERS = {"kernel": WEIGHT_INIT, "embedding": WEIGHT_INIT, "scale": nn.initializers.ones}
+INITIALIZERS = {"kernel": WEIGHT_INIT, "embedding": WEIGHT_INIT, "scale": nn.initializers.ones,
+                "sinks": nn.initializers.zeros}
 
 
 def _dense(features, name, dtype):
@@ -88,52 +151,69 @@ def _dense(features, name, dtype):
                   kernel_init=INITIALIZERS["kernel"])
 
 
-def cached_attention(q, k_cache, v_cache, positions):
+def soft_cap(x, cap):
+  """cap·tanh(x / cap), or x when cap is None."""
+  return x if cap is None else cap * jnp.tanh(x / cap)
+
+
+def cached_attention(q, k_cache, v_cache, positions, *, window=None, softcap=None, sinks=None):
   """Decoding: queries [B, s, Hq, D] at `positions` [B, s] attend to every cached key at or before
-  their own position (k_cache, v_cache [B, L, Hkv, D]). Dense XLA in float32: a few query rows have
-  nothing to tile, so the CLiS kernels are not used here."""
+  their own position (k_cache [B, L, Hkv, D], v_cache [B, L, Hkv, Dv]), and within `window` keys of it when a
+  window is given. Dense XLA in float32: a few query rows have nothing to tile, so the CLiS kernels are not
+  used here."""
   b, s, hq, d = q.shape
-  hkv = k_cache.shape[2]
+  hkv, dv = k_cache.shape[2], v_cache.shape[3]
   qg = q.astype(jnp.float32).reshape(b, s, hkv, hq // hkv, d)
-  logits = jnp.einsum("bshgd,bkhd->bhgsk", qg, k_cache.astype(jnp.float32)) * d ** -0.5
-  visible = jnp.arange(k_cache.shape[1])[None, None, :] <= positions[:, :, None]  # [B, s, L]
-  weights = jax.nn.softmax(jnp.where(visible[:, None, None], logits, -jnp.inf), axis=-1)
+  logits = soft_cap(jnp.einsum("bshgd,bkhd->bhgsk", qg, k_cache.astype(jnp.float32)) * d ** -0.5, softcap)
+  keys = jnp.arange(k_cache.shape[1])[None, None, :]
+  visible = keys <= positions[:, :, None]  # [B, s, L]
+  if window is not None:
+    visible &= keys >= positions[:, :, None] - window
+  logits = jnp.where(visible[:, None, None], logits, -jnp.inf)
+  if sinks is not None:  # the sink: one more logit per head with no value
+    sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, hkv, hq // hkv, 1, 1), logits.shape[:-1] + (1,))
+    logits = jnp.concatenate([logits, sink], axis=-1)
+  weights = jax.nn.softmax(logits, axis=-1)[..., :k_cache.shape[1]]
   out = jnp.einsum("bhgsk,bkhd->bshgd", weights, v_cache.astype(jnp.float32))
-  return out.reshape(b, s, hq, d).astype(q.dtype)
+  return out.reshape(b, s, hq, dv).astype(q.dtype)
 
 
 class Attention(nn.Module):
   dims: ModelDims
-  attend: Callable  # (q, k, v, segment_ids) -> (out, certified_fraction)
+  attend: Callable  # (q, k, v, segment_ids, sinks, *, window, softcap) -> (out, certified_fraction)
   dtype: jnp.dtype
   decode: bool = False  # keep K/V in the "cache" collection, sized by the input at init ([B, max_len])
+  window: int | None = None  # this layer's sliding window (ModelDims.layer_window)
 
   @nn.compact
   def __call__(self, x, positions, segment_ids):
     d, b, s = self.dims, x.shape[0], x.shape[1]
-    q = _dense(d.n_heads * d.head_dim, "wq", self.dtype)(x).reshape(b, s, d.n_heads, d.head_dim)
-    k = _dense(d.n_kv_heads * d.head_dim, "wk", self.dtype)(x).reshape(b, s, d.n_kv_heads, d.head_dim)
-    v = _dense(d.n_kv_heads * d.head_dim, "wv", self.dtype)(x).reshape(b, s, d.n_kv_heads, d.head_dim)
-    q, k = rope(q, positions, d.rope_theta), rope(k, positions, d.rope_theta)
+    hd, vd = d.head_dim, d.value_dim
+    q = _dense(d.n_heads * hd, "wq", self.dtype)(x).reshape(b, s, d.n_heads, hd)
+    k = _dense(d.n_kv_heads * hd, "wk", self.dtype)(x).reshape(b, s, d.n_kv_heads, hd)
+    v = _dense(d.n_kv_heads * vd, "wv", self.dtype)(x).reshape(b, s, d.n_kv_heads, vd)
+    sinks = self.param("sinks", INITIALIZERS["sinks"], (d.n_heads,), jnp.float32) if d.sinks else None
+    q, k = rope(q, positions, d.rope_theta, d.rope_scaling), rope(k, positions, d.rope_theta, d.rope_scaling)
     self.sow("activations", "qkv", (q, k, v))  # kept only when applied with mutable=["activations"]
     if self.decode:
-      out, certified = self._decode(q, k, v, positions), jnp.zeros((), jnp.float32)
+      out, certified = self._decode(q, k, v, positions, sinks), jnp.zeros((), jnp.float32)
     else:
-      out, certified = self.attend(q, k, v, segment_ids)
+      out, certified = self.attend(q, k, v, segment_ids, sinks, window=self.window, softcap=d.attn_soft_cap)
     self.sow("intermediates", "certified_fraction", certified)
-    return _dense(d.dim, "wo", self.dtype)(out.reshape(b, s, d.n_heads * d.head_dim))
+    return _dense(d.dim, "wo", self.dtype)(out.reshape(b, s, d.n_heads * vd))
 
-  def _decode(self, q, k, v, positions):
+  def _decode(self, q, k, v, positions, sinks):
     """Writes k, v into the cache at positions[:, 0] onwards, then attends over the cache."""
     ready = self.has_variable("cache", "k")
     k_cache = self.variable("cache", "k", jnp.zeros, k.shape, k.dtype)
     v_cache = self.variable("cache", "v", jnp.zeros, v.shape, v.dtype)
     if not ready:  # init: only the cache's shape is being made
-      return jnp.zeros_like(q)
+      return jnp.zeros(q.shape[:3] + v.shape[3:], q.dtype)
     start = positions[0, 0]
     k_cache.value = jax.lax.dynamic_update_slice(k_cache.value, k.astype(k_cache.value.dtype), (0, start, 0, 0))
     v_cache.value = jax.lax.dynamic_update_slice(v_cache.value, v.astype(v_cache.value.dtype), (0, start, 0, 0))
-    return cached_attention(q, k_cache.value, v_cache.value, positions)
+    return cached_attention(q, k_cache.value, v_cache.value, positions, window=self.window,
+                            softcap=self.dims.attn_soft_cap, sinks=sinks)
 
 
 class MLP(nn.Module):
@@ -152,11 +232,13 @@ class Block(nn.Module):
   attend: Callable
   dtype: jnp.dtype
   decode: bool = False
+  window: int | None = None
 
   @nn.compact
   def __call__(self, x, positions, segment_ids):
     h = RMSNorm(self.dims.norm_eps, self.dtype, name="attention_norm")(x)
-    x = x + Attention(self.dims, self.attend, self.dtype, self.decode, name="attention")(h, positions, segment_ids)
+    attention = Attention(self.dims, self.attend, self.dtype, self.decode, self.window, name="attention")
+    x = x + attention(h, positions, segment_ids)
     h = RMSNorm(self.dims.norm_eps, self.dtype, name="mlp_norm")(x)
     return x + MLP(self.dims, self.dtype, name="mlp")(h)
 
@@ -179,11 +261,14 @@ class Transformer(nn.Module):
       block = nn.remat(Block, policy=policy)
     x = embed(tokens)
     for i in range(self.dims.n_layers):
-      x = block(self.dims, self.attend, self.dtype, self.decode, name=f"layer_{i}")(x, positions, segment_ids)
+      layer = block(self.dims, self.attend, self.dtype, self.decode, self.dims.layer_window(i), name=f"layer_{i}")
+      x = layer(x, positions, segment_ids)
     x = RMSNorm(self.dims.norm_eps, self.dtype, name="norm")(x)
     if self.dims.tie_embeddings:
-      return embed.attend(x).astype(jnp.float32)
-    return _dense(self.dims.vocab_size, "lm_head", self.dtype)(x).astype(jnp.float32)
+      logits = embed.attend(x).astype(jnp.float32)
+    else:
+      logits = _dense(self.dims.vocab_size, "lm_head", self.dtype)(x).astype(jnp.float32)
+    return soft_cap(logits, self.dims.final_soft_cap)
 
 
 def abstract_params(transformer: Transformer, batch_shape: tuple[int, int]):
@@ -229,16 +314,40 @@ def resolve_dims(model_cfg, tokenizer_vocab: int) -> ModelDims:
     raise ConfigError(f"model.vocab_size={dims.vocab_size} is smaller than the tokenizer's {tokenizer_vocab} ids")
   if min(dims.dim, dims.n_heads, dims.n_kv_heads, dims.n_layers, dims.ffn_dim) < 1:
     raise ConfigError(f"model dims must be positive; got {dims}")
-  if dims.dim % dims.n_heads or dims.n_heads % dims.n_kv_heads:
-    raise ConfigError(f"model.dim={dims.dim} must divide by n_heads={dims.n_heads}, "
-                      f"and n_heads by n_kv_heads={dims.n_kv_heads}")
-  if (dims.dim // dims.n_heads) % 2:
-    raise ConfigError(f"model.dim / n_heads = {dims.dim} / {dims.n_heads} = {dims.dim // dims.n_heads} is the head "
-                      "dim, which RoPE needs even; change model.dim or model.n_heads")
+  if dims.n_heads % dims.n_kv_heads or (dims.qk_head_dim is None and dims.dim % dims.n_heads):
+    raise ConfigError(f"model.n_heads={dims.n_heads} must divide by n_kv_heads={dims.n_kv_heads}, and "
+                      f"model.dim={dims.dim} by n_heads unless model.qk_head_dim is set")
+  if dims.head_dim % 2:
+    raise ConfigError(f"the q·k head dim {dims.head_dim} (model.qk_head_dim, or model.dim / n_heads = {dims.dim} / "
+                      f"{dims.n_heads}) must be even for RoPE; change model.dim, model.n_heads or model.qk_head_dim")
+  for name in ("qk_head_dim", "v_head_dim", "sliding_window", "global_every"):
+    value = getattr(dims, name)
+    if value is not None and value < 1:
+      raise ConfigError(f"model.{name}={value} must be >= 1, or null")
+  for name in ("attn_soft_cap", "final_soft_cap"):
+    value = getattr(dims, name)
+    if value is not None and not (math.isfinite(value) and value > 0):
+      raise ConfigError(f"model.{name}={value} must be a positive number (logits become c·tanh(s / c)), or null")
+  if dims.rope_scaling is not None and (len(dims.rope_scaling) != 4 or not dims.rope_scaling[2] > dims.rope_scaling[1]):
+    raise ConfigError(f"model.rope_scaling={list(dims.rope_scaling)} must be [factor, low_freq_factor, "
+                      "high_freq_factor, original_max_positions] with high_freq_factor > low_freq_factor (Llama 3.1+)")
+  if dims.global_every is not None and dims.sliding_window is None:
+    raise ConfigError(f"model.global_every={dims.global_every} says which layers see every key, but "
+                      "model.sliding_window is null: set the window of the other layers, or global_every=null")
   return dims
 
 
+def attention_keys_per_query(dims: ModelDims, layer: int, seq_len: int) -> float:
+  """The mean number of keys a causal query of a seq_len-long sequence sees in `layer` (its window's, if any)."""
+  w = dims.layer_window(layer)
+  if w is None or seq_len <= w + 1:
+    return (seq_len + 1) / 2
+  return (w * (w + 1) / 2 + (seq_len - w) * (w + 1)) / seq_len
+
+
 def flops_per_token(dims: ModelDims, seq_len: int) -> float:
-  """Training FLOPs per token: 6·N for the matmuls plus causal attention's 6·L·S·D."""
+  """Training FLOPs per token: 6·N for the matmuls plus causal attention's two matmuls (fwd 2·keys·Hq·(D + Dv),
+  three times that with the backward) over the keys each query sees."""
   matmul_params = dims.num_params() - dims.vocab_size * dims.dim * (0 if dims.tie_embeddings else 1) - dims.dim
-  return 6.0 * matmul_params + 6.0 * dims.n_layers * seq_len * dims.dim
+  per_key = 6.0 * dims.n_heads * (dims.head_dim + dims.value_dim)
+  return 6.0 * matmul_params + sum(per_key * attention_keys_per_query(dims, i, seq_len) for i in range(dims.n_layers))

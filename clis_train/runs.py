@@ -64,7 +64,7 @@ def load_run(path: str, *, step: int | None = None, attention: str | None = None
   source = checkpoint_path or _weights_of(cfg, path, is_recipe)
   what = "--checkpoint" if checkpoint_path else ("run_dir" if not is_recipe else f"{path}: run_dir")
   hf = pathlib.Path(source).is_dir() and bool(list(pathlib.Path(source).glob("*.safetensors")))
-  params = checkpoint.load_params(source, abstract_params(module), step=step, what=what)
+  params = checkpoint.load_params(source, abstract_params(module), step=step, what=what, dims=dims)
   if not hf and step is None:
     step = checkpoint.saved_steps(source, what)[-1]
   return LoadedRun(cfg, tokenizer, dims, module, params, None if hf else step)

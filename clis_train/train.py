@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 from clis_kernels import context_parallel
 from clis_train import checkpoint, data, model
 from clis_train import sources as data_sources
-from clis_train.attention import BATCH_AXES, make_attention
+from clis_train.attention import BATCH_AXES, make_attention, unsupported as attention_unsupported
 from clis_train.config import CERTIFYING, Config, ConfigError, to_dict
 from clis_train.errors import GracefulStop, Interrupted, TrainingError
 from clis_train.runlock import RunLock
@@ -97,6 +97,12 @@ class Trainer:
     self.tokenizer = data.make_tokenizer(cfg.data.tokenizer)
     self.dims = model.resolve_dims(cfg.model, self.tokenizer.vocab_size)
     self.mesh = make_mesh(cfg.mesh)
+    for layer in range(self.dims.n_layers):  # one ConfigError before anything is traced
+      problem = attention_unsupported(cfg.attention, window=self.dims.layer_window(layer),
+                                      softcap=self.dims.attn_soft_cap, sinks=self.dims.sinks,
+                                      context=self.mesh.shape["context"])
+      if problem:
+        raise ConfigError(f"model.preset={cfg.model.preset!r} (layer {layer}): {problem}")
     self.model = model.Transformer(self.dims, make_attention(cfg.attention, self.mesh,
                                                              granularity=cfg.attention_granularity,
                                                              context_strategy=cfg.mesh.context_strategy),
@@ -209,7 +215,7 @@ class Trainer:
       return start, state
     state = self.init_state(jax.random.PRNGKey(cfg.seed))
     if cfg.checkpoint.init_from:
-      params = checkpoint.load_params(cfg.checkpoint.init_from, self.abstract_state["params"])
+      params = checkpoint.load_params(cfg.checkpoint.init_from, self.abstract_state["params"], dims=self.dims)
       state = self.init_state_from(jax.device_put(params, self.param_shardings))
     return 0, state
 

@@ -29,6 +29,8 @@ def main():
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--load", default=None, help="an exported folder to load instead of a random model")
   parser.add_argument("--tokens", default=None, help="with --load: int tokens [B, S] (.npy)")
+  parser.add_argument("--rope-scaling", type=float, nargs=4, default=None,
+                      metavar=("FACTOR", "LOW", "HIGH", "ORIGINAL"), help="Llama 3's RoPE scaling for the random model")
   args = parser.parse_args()
   if args.load:
     model = LlamaForCausalLM.from_pretrained(args.load, torch_dtype=torch.float32).eval()
@@ -38,7 +40,12 @@ def main():
     return
   out = pathlib.Path(args.out)
   torch.manual_seed(args.seed)
-  model = LlamaForCausalLM(LlamaConfig(**TINY)).float().eval()
+  config = dict(TINY)
+  if args.rope_scaling:
+    factor, low, high, original = args.rope_scaling
+    config["rope_scaling"] = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+                              "high_freq_factor": high, "original_max_position_embeddings": int(original)}
+  model = LlamaForCausalLM(LlamaConfig(**config)).float().eval()
   with torch.no_grad():  # HF's init leaves norms at 1; randomise them so the test sees their scales
     for name, p in model.named_parameters():
       if "norm" in name:
@@ -49,7 +56,7 @@ def main():
     logits = model(tokens).logits.numpy()
   np.save(out / "tokens.npy", tokens.numpy())
   np.save(out / "logits.npy", logits)
-  (out / "tiny_config.json").write_text(json.dumps(TINY))
+  (out / "tiny_config.json").write_text(json.dumps(config))
 
 
 if __name__ == "__main__":

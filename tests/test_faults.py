@@ -143,7 +143,7 @@ def test_bad_values_are_one_config_error(override, message):
 
 
 def test_a_head_dim_rope_cannot_rotate_is_a_config_error_before_compiling(tmp_path):
-  with pytest.raises(ConfigError, match="model.dim / n_heads = 100 / 4 = 25 is the head dim, which RoPE needs even"):
+  with pytest.raises(ConfigError, match=r"head dim 25 \(model.qk_head_dim, or model.dim / n_heads = 100 / 4\) must be even"):
     Trainer(config(tmp_path, "model.dim=100"))
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import subprocess
@@ -19,29 +20,61 @@ ROOT = pathlib.Path(__file__).parent.parent
 HF_PYTHON = os.environ.get("CLIS_HF_PYTHON", str(ROOT / ".venv-hf" / "bin" / "python"))
 
 
-@pytest.fixture(scope="module")
-def hf_tiny(tmp_path_factory):
+def _hf_reference(tmp_path_factory, name, *args):
   if not pathlib.Path(HF_PYTHON).exists():
     if os.environ.get("CLIS_REQUIRE_HF") == "1":  # scripts/test.sh's full run (CI) sets it
       pytest.fail(f"{HF_PYTHON} is missing: scripts/setup.sh makes it (Python 3.11 + torch + transformers)")
     pytest.skip(f"{HF_PYTHON} is missing (scripts/setup.sh makes it); CI requires it")
-  out = tmp_path_factory.mktemp("hf_tiny")
-  subprocess.run([HF_PYTHON, str(ROOT / "scripts" / "hf_reference.py"), "--out", str(out)], check=True)
+  out = tmp_path_factory.mktemp(name)
+  subprocess.run([HF_PYTHON, str(ROOT / "scripts" / "hf_reference.py"), "--out", str(out), *args], check=True)
   return out
 
 
-@pytest.mark.parametrize("attention", ["clis", "dot_product"])
-def test_logits_match_transformers_llama(hf_tiny, tmp_path, attention):
+@pytest.fixture(scope="module")
+def hf_tiny(tmp_path_factory):
+  return _hf_reference(tmp_path_factory, "hf_tiny")
+
+
+@pytest.fixture(scope="module")
+def hf_tiny_llama3(tmp_path_factory):
+  """Llama 3.1+'s RoPE scaling with an original context of 32, so that 64 tokens meet all three bands."""
+  return _hf_reference(tmp_path_factory, "hf_tiny_llama3", "--rope-scaling", "8", "1", "4", "32")
+
+
+TINY = ["model.dtype=float32", "model.dim=128", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+        "model.ffn_dim=384", "model.vocab_size=384", "model.rope_theta=10000.0", "model.norm_eps=1e-5",
+        "model.tie_embeddings=false", "data.seq_len=64", "mesh.data=1"]
+
+
+@pytest.mark.parametrize("attention,scaled", [("clis", False), ("dot_product", False), ("clis", True)])
+def test_logits_match_transformers_llama(hf_tiny, hf_tiny_llama3, tmp_path, attention, scaled):
+  folder = hf_tiny_llama3 if scaled else hf_tiny
   cfg = load_config(str(ROOT / "recipes" / "cpt_tiny.yaml"), [
-      f"run_dir={tmp_path}", f"attention={attention}", "model.dtype=float32", "model.dim=128", "model.n_layers=2",
-      "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=384", "model.vocab_size=384",
-      "model.rope_theta=10000.0", "model.norm_eps=1e-5", "model.tie_embeddings=false", "data.seq_len=64",
-      "mesh.data=1"])
+      f"run_dir={tmp_path}", f"attention={attention}", *TINY, *(["model.rope_scaling=[8, 1, 4, 32]"] if scaled else [])])
   trainer = Trainer(cfg)
-  params = checkpoint.load_params(str(hf_tiny), trainer.abstract_state["params"])
-  tokens = np.load(hf_tiny / "tokens.npy").astype(np.int32)
-  want = np.load(hf_tiny / "logits.npy")
+  params = checkpoint.load_params(str(folder), trainer.abstract_state["params"], dims=trainer.dims)
+  tokens = np.load(folder / "tokens.npy").astype(np.int32)
+  want = np.load(folder / "logits.npy")
   got = np.asarray(trainer.logits(params, tokens))
   rel = np.linalg.norm(got - want) / np.linalg.norm(want)
   assert rel < 1e-4, rel
   assert np.abs(got - want).max() < 1e-3 * np.abs(want).max()
+
+
+def test_a_checkpoint_of_another_shape_or_architecture_is_one_clear_error(hf_tiny, tmp_path):
+  """config.json is read before any tensor: a setting that differs names the model.* key to set; an architecture
+  our blocks cannot run names what they lack."""
+  cfg = load_config(str(ROOT / "recipes" / "cpt_tiny.yaml"), [f"run_dir={tmp_path / 'run'}", *TINY,
+                                                              "model.rope_theta=500000.0"])
+  trainer = Trainer(cfg)
+  with pytest.raises(checkpoint.CheckpointError, match=r"set model.rope_theta=10000.0 \(ours: 500000.0\)"):
+    checkpoint.load_params(str(hf_tiny), trainer.abstract_state["params"], dims=trainer.dims)
+  for kind, lacks in (("gemma2", "post-attention and post-MLP norms"), ("gpt_oss", "mixture-of-experts MLP"),
+                      ("deepseek_v3", "MLA's low-rank")):
+    folder = tmp_path / kind
+    folder.mkdir()
+    for file in hf_tiny.glob("*.safetensors"):
+      (folder / file.name).symlink_to(file)
+    (folder / "config.json").write_text(json.dumps({"model_type": kind}))
+    with pytest.raises(checkpoint.CheckpointError, match=f"holds a '{kind}' model .* lacks .*{lacks}"):
+      checkpoint.load_params(str(folder), trainer.abstract_state["params"], dims=trainer.dims)
