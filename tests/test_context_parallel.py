@@ -157,6 +157,27 @@ def test_example_dit_attention_split_over_devices():
   assert ref.rel_err(split, want) <= 1.5 * ref.rel_err(whole, want) + 1e-6
 
 
+def test_example_dit_skipping_split_over_devices():
+  """The example DiT's skipping self-attention with its tokens split over the 8 devices ("clis_skip_cp") marks and
+  leaves out what the single call ("clis_skip") does, call after call."""
+  from examples.video_dit import sampler
+  from examples.video_dit.model import DiTConfig
+  cfg = DiTConfig(frames=4)  # 1,024 tokens: one 128-row q tile per device
+  pos = np.arange(cfg.tokens)[:, None] / cfg.tokens * np.arange(1, cfg.head_dim // 2 + 1)[None] * 2.0
+  local = 4.0 * np.concatenate([np.cos(pos), np.sin(pos)], -1)[None, :, None, :]  # rows peaked on their neighbours
+  q, k, v, _ = testing.random_inputs(4, 1, cfg.tokens, cfg.heads, cfg.heads, cfg.head_dim, jnp.float32)
+  q, k, v = ((local + 0.3 * x).astype(jnp.bfloat16) if i < 2 else x.astype(jnp.bfloat16) for i, x in enumerate((q, k, v)))
+  split, whole = (jax.jit(sampler.make_attend(name, -8.0, cfg)) for name in ("clis_skip_cp", "clis_skip"))
+  one = many = sampler.init_skip_states(cfg, 1)[0]
+  for _ in range(2):
+    want, one, sparsity = whole(q, k, v, one)
+    got, many, split_sparsity = split(q, k, v, many)
+    np.testing.assert_array_equal(np.asarray(many.skip), np.asarray(one.skip))
+    assert float(split_sparsity) == float(sparsity)
+    assert ref.rel_err(got, want) < 1e-2  # bf16 outputs: rounding of differently shaped matmuls
+  assert float(sparsity) > 0
+
+
 ON_GPU = jax.devices()[0].platform == "gpu"
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -109,6 +110,40 @@ def test_state_is_per_layer_and_survives_jit():
       _, layers[i] = step(q, k, v, layers[i])
   assert isinstance(layers[0], diffusion.SkipState) and int(layers[0].calls) == 2
   assert float(layers[0].skip.mean()) > float(layers[1].skip.mean())
+
+
+def test_context_parallel_skipping_gives_the_single_calls_rows_and_marks():
+  """The tokens split over 4 devices (diffusion.context_parallel: keys all-gathered, each device its rows' state):
+  over three calls with marks accumulating, the marks are the single call's and the outputs too (to float32
+  rounding: the devices' matmuls have other shapes; the first, dense call as close to float64 as the single
+  call), and marking and leaving tiles out happened."""
+  from jax.sharding import PartitionSpec as P
+  seq, thr = 128, -10.0
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("context",))
+  tokens, states = P(None, "context"), diffusion.SkipState(skip=P(None, None, "context", None), calls=P())
+
+  @jax.jit
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(tokens,) * 3 + (states,), out_specs=(tokens, states, P()))
+  def split(q, k, v, state):
+    out, state, stats = diffusion.context_parallel.attention(q, k, v, state, thr=thr, axis_name="context",
+                                                             block_sizes=BS)
+    return out, state, stats.sparsity
+
+  whole = jax.jit(lambda q, k, v, state: diffusion.attention(q, k, v, state, thr=thr, block_sizes=BS))
+  one = many = diffusion.init_state(1, 2, seq, BS)
+  for step in range(3):
+    q, k, v = local_inputs(7, seq=seq, drift=0.02 * step)
+    want, one, stats = whole(q, k, v, one)
+    got, many, sparsity = split(q, k, v, many)
+    np.testing.assert_array_equal(np.asarray(many.skip), np.asarray(one.skip))
+    assert float(sparsity) == pytest.approx(float(stats.sparsity))
+    assert ref.rel_err(got, want) < 1e-6
+    if step == 0:
+      exact = ref.attention(q, k, v, jnp.zeros_like(q), causal=False)[0]
+      assert ref.rel_err(got, exact) <= 1.5 * ref.rel_err(want, exact) + 1e-7
+  assert 0.1 < float(one.skip.mean()) < 0.9 and float(stats.sparsity) > 0  # marks made, and tiles left out
+  with pytest.raises(ValueError, match="whole number of the skip grid's 16-row q tiles"):
+    split(*local_inputs(7, seq=120), diffusion.init_state(1, 2, 120, BS))  # chunks of 30 rows
 
 
 def test_schedule_is_dense_first_and_stricter_early():

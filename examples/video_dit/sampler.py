@@ -2,9 +2,10 @@
 
 `make_attend(name)` gives the model's self-attention: "xla" (dense jax.nn), "cudnn", "online"
 and "clis" (clis_kernels.attention, bidirectional), "clis_cp" / "online_cp" (the video tokens split over every
-device, clis_kernels.context_parallel), and "clis_skip" / "online_skip"
+device, clis_kernels.context_parallel), "clis_skip" / "online_skip"
 (kernels/clis_kernels/diffusion temporal tile skipping, one SkipState per layer threaded by the sampler,
-thr per step from `diffusion.threshold_schedule`).
+thr per step from `diffusion.threshold_schedule`), and "clis_skip_cp" / "online_skip_cp" (the same with the tokens
+split over every device: diffusion.context_parallel).
 """
 
 from __future__ import annotations
@@ -24,7 +25,13 @@ from clis_kernels import diffusion
 from clis_kernels import plan as plan_lib
 from examples.video_dit.model import DiTConfig, VideoDiT
 
-BACKENDS = ("xla", "cudnn", "online", "clis", "online_cp", "clis_cp", "online_skip", "clis_skip")
+BACKENDS = ("xla", "cudnn", "online", "clis", "online_cp", "clis_cp", "online_skip", "clis_skip", "online_skip_cp",
+            "clis_skip_cp")
+
+
+def is_skipping(name: str) -> bool:
+  """Whether backend `name` threads SkipStates (the *_skip and *_skip_cp backends)."""
+  return name.removesuffix("_cp").endswith("_skip")
 
 
 @functools.lru_cache(maxsize=None)
@@ -53,6 +60,8 @@ def make_attend(name: str, thr=None, cfg: DiTConfig | None = None):
   if name in ("online_cp", "clis_cp"):
     return _context_parallel_attend(name.removesuffix("_cp"))
   kw = _skip_kw(cfg)
+  if name.endswith("_cp"):
+    return _context_parallel_skip_attend(name.removesuffix("_skip_cp"), thr, kw)
 
   def attend(q, k, v, state):
     out, state, stats = diffusion.attention(q, k, v, state, thr=thr, stabilizer_name=name.removesuffix("_skip"),
@@ -73,6 +82,22 @@ def _context_parallel_attend(stabilizer: str):
                                                        stabilizer=stabilizer, combine=stabilizer, layout="contiguous")
 
   return lambda q, k, v, state: (run(q, k, v), state, None)
+
+
+def _context_parallel_skip_attend(stabilizer: str, thr, kw: dict):
+  """Temporal skipping with the video tokens split over every device (natural order): each device runs its rows
+  against every key (diffusion.context_parallel) with its rows of each layer's SkipState."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()), ("context",))
+  tokens = P(None, "context")
+  states = diffusion.SkipState(skip=P(None, None, "context", None), calls=P())
+
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(tokens,) * 3 + (states,), out_specs=(tokens, states, P()))
+  def run(q, k, v, state):  # thr: a Python float (−inf: no marking work) or the step's traced scalar
+    out, state, stats = diffusion.context_parallel.attention(q, k, v, state, thr=thr, axis_name="context",
+                                                             stabilizer_name=stabilizer, **kw)
+    return out, state, stats.sparsity
+
+  return run
 
 
 def make_calibrating_attend(name: str, target: float, thrs: list, cfg: DiTConfig):
@@ -108,7 +133,7 @@ def sample(params, cfg: DiTConfig, noise, condition, *, attention: str, steps: i
   the skip states each step ran with (a list per step; None entries without skipping) when
   keep_states, else the final states). calibrate: instead of the thr schedule, each layer bisects
   its thr to this relative L1 error at every step after the dense ones (eager steps, slower)."""
-  skip = attention.endswith("_skip")
+  skip = is_skipping(attention)
   states = init_skip_states(cfg, noise.shape[0]) if skip else None
   x, records, history = noise, [], []
   ts = jnp.linspace(1.0, 0.0, steps + 1)
