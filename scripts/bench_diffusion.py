@@ -54,7 +54,7 @@ def attention_times(cfg, name, states_per_step, thrs, batch, *, repeats, inner):
   q, k, v = (jax.random.normal(jax.random.PRNGKey(i), shape, jnp.dtype(cfg.dtype)) for i in range(3))
   fns = {}
   for step, states in enumerate(states_per_step):
-    track = name.endswith("_skip") and thrs[step] > -math.inf
+    track = sampler.is_skipping(name) and thrs[step] > -math.inf
     attend = jax.jit(lambda q, k, v, s, thr, track=track: sampler.make_attend(name, thr if track else -math.inf, cfg)(
         q, k, v, s)[0])
     for layer in range(cfg.layers):
@@ -143,7 +143,7 @@ def main():
                          6 + (jnp.arange(args.batch) // 2) % 4], -1).astype(jnp.int32)
   variants = []
   for impl in args.impls:
-    if impl.endswith("_skip"):  # first its unskipped twin: the same step programs (marking on), no tile marked
+    if sampler.is_skipping(impl):  # first its unskipped twin: the same step programs (marking on), no tile marked
       variants.append((impl, (UNSKIPPED_THR, UNSKIPPED_THR)))
       variants += [(impl, tuple(float(x) for x in sched.split(":"))) for sched in args.schedules]
       variants += [(impl, ("cal", target)) for target in args.calibrate]
@@ -180,10 +180,11 @@ def main():
                         attention_ms=float(np.sum(att)), mean_sparsity=float(np.mean([s["sparsity"] for s in per_step])),
                         **meta))
     records[-1]["psnr_db"], records[-1]["ssim"] = quality(video, next(iter(videos.values())))
-    if impl.endswith("_skip") and impl.removesuffix("_skip") in videos:
-      records[-1]["psnr_vs_dense_same_kernel_db"] = quality(video, videos[impl.removesuffix("_skip")])[0]
+    dense_twin = impl.replace("_skip", "")  # clis_skip -> clis, clis_skip_cp -> clis_cp
+    if sampler.is_skipping(impl) and dense_twin in videos:
+      records[-1]["psnr_vs_dense_same_kernel_db"] = quality(video, videos[dense_twin])[0]
     twin = f"{impl}[{UNSKIPPED_THR:g}:{UNSKIPPED_THR:g}]"
-    if impl.endswith("_skip") and label != twin and twin in videos:  # what skipping alone moved
+    if sampler.is_skipping(impl) and label != twin and twin in videos:  # what skipping alone moved
       records[-1]["psnr_vs_unskipped_db"], records[-1]["ssim_vs_unskipped"] = quality(video, videos[twin])
     out.write_text(json.dumps(records, indent=1))  # after every variant: a run cut short keeps what it measured
     print(f"{label}: median step {records[-1]['step_ms']:.2f} ms, attention {records[-1]['attention_ms']:.2f} ms "

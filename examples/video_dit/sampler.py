@@ -103,6 +103,9 @@ def _context_parallel_skip_attend(stabilizer: str, thr, kw: dict):
 def make_calibrating_attend(name: str, target: float, thrs: list, cfg: DiTConfig):
   """Like make_attend's skip backends, but each call bisects its own thr to `target` relative L1
   error (diffusion.calibrate_thr) and appends it to `thrs`. Eager (Python-level): not under jit."""
+  if name.endswith("_cp"):
+    raise ValueError(f"calibrating thr runs on one device: attention={name!r} splits the tokens; use "
+                     f"{name.removesuffix('_cp')!r} with calibrate, or a thr schedule")
   kw = dict(_skip_kw(cfg), stabilizer_name=name.removesuffix("_skip"))
 
   def attend(q, k, v, state):
