@@ -44,8 +44,7 @@ def build_module(cfg: Config, *, attention: str | None = None):
 
 
 def abstract_params(module, seq_len: int = 8):
-  dummy = jnp.zeros((1, seq_len), jnp.int32)
-  return jax.eval_shape(module.init, jax.random.PRNGKey(0), dummy, dummy, jnp.ones_like(dummy))["params"]
+  return model.abstract_params(module, (1, seq_len))
 
 
 def load_run(path: str, *, step: int | None = None, attention: str | None = None, overrides=(),
@@ -58,8 +57,7 @@ def load_run(path: str, *, step: int | None = None, attention: str | None = None
   cfg = load_config(path, overrides) if is_recipe else load_run_config(path, overrides)
   tokenizer, dims, module = build_module(cfg, attention=attention)
   if init:
-    dummy = jnp.zeros((1, 8), jnp.int32)
-    params = jax.jit(module.init)(jax.random.PRNGKey(cfg.seed), dummy, dummy, jnp.ones_like(dummy))["params"]
+    params = model.init_params(abstract_params(module), jax.random.PRNGKey(cfg.seed))  # the trainer's step 0
     return LoadedRun(cfg, tokenizer, dims, module, params, None)
   source = checkpoint_path or _weights_of(cfg, path, is_recipe)
   what = "--checkpoint" if checkpoint_path else ("run_dir" if not is_recipe else f"{path}: run_dir")

@@ -158,6 +158,18 @@ def test_export_copies_the_tokenizer(tmp_path):
   assert config["num_key_value_heads"] == run.dims.n_kv_heads and config["tie_word_embeddings"] is True
 
 
+def test_a_run_loaded_at_initialisation_is_the_trainers_step_zero(tmp_path):
+  """load_run(init=True) (the analyses' step 0) draws the trainer's initial parameters, leaf by leaf, with no
+  forward traced."""
+  from clis_train.train import Trainer
+  overrides = ["model.dtype=float32", f"run_dir={tmp_path}", "mesh.data=1"]
+  run = load_run(str(ROOT / "recipes" / "cpt_tiny.yaml"), init=True, overrides=overrides)
+  trainer = Trainer(load_config(str(ROOT / "recipes" / "cpt_tiny.yaml"), overrides))
+  want = trainer.init_state(jax.random.PRNGKey(trainer.cfg.seed))["params"]
+  for got, expected in zip(jax.tree.leaves(run.params), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+
+
 @pytest.mark.hf
 def test_export_matches_transformers(cpt_run, tmp_path):
   if not pathlib.Path(HF_PYTHON).exists():
