@@ -13,4 +13,4 @@ for arg in "$@"; do
   if [ "$arg" = "--fast" ]; then args+=(-m "not slow"); unset CLIS_REQUIRE_HF
   else args+=("$arg"); fi
 done
-exec .venv/bin/python -m pytest -q --durations=15 "${args[@]}"
+exec .venv/bin/python -m pytest -q --durations=40 "${args[@]}"
