@@ -63,8 +63,10 @@ CASES = {  # name: (causal, packed, heads (Hq, Hkv))
 }
 
 
-@pytest.mark.parametrize("strategy,layout", [("ring", "zigzag"), ("all_gather", "zigzag"), ("ring", "contiguous")])
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case,strategy,layout", [  # every case, and every strategy and layout on a causal and a
+    ("causal", "ring", "zigzag"), ("causal", "ring", "contiguous"),  # bidirectional, packed and unpacked case
+    ("causal_gqa_packed", "ring", "zigzag"), ("causal_gqa_packed", "all_gather", "zigzag"),
+    ("bidirectional_gqa", "ring", "contiguous"), ("bidirectional_packed", "all_gather", "zigzag")])
 def test_matches_one_device_and_float64(case, strategy, layout):
   causal, packed, (hq, hkv) = CASES[case]
   mesh = _mesh(context=4, data=2)

@@ -26,7 +26,7 @@ CASES = [
 
 # The benchmarks' shapes (scripts/bench_attention.py, scripts/gpu_check.py): q heads, kv heads, head dim
 # of the LLM case (Llama-3-8B's attention), and the video DiT's head dim (its head counts are a flag).
-# Their --quick suites run CASES above, so tests and benchmarks share one table.
+# Their --quick suites run the first of CASES above, so tests and benchmarks share one table.
 LLM_HEADS = (32, 8, 128)
 DIT_HEAD_DIM = 128
 
