@@ -31,7 +31,7 @@ def main():
   tokens = jax.ShapeDtypeStruct((1, args.seq_len), jnp.int32)
   results = {}
   for name in args.attentions:
-    attend = (lambda q, k, v, seg: (attention._cudnn(q, k, v, seg), jnp.zeros(()))) if name == "cudnn" else \
+    attend = (lambda q, k, v, seg, *_, **__: (attention._cudnn(q, k, v, seg), jnp.zeros(()))) if name == "cudnn" else \
         attention.make_attention(name, None, platform=plan.HOPPER)
     net = model.Transformer(dims, attend, remat="full")
     params = jax.eval_shape(lambda t: net.init(jax.random.PRNGKey(0), t, t, t), tokens)
