@@ -63,8 +63,6 @@ def tokamax_documents(q, k, v, segment_ids, *, on_gpu: bool, window=None, softca
 UNSUPPORTED = {  # attention -> the model options it does not take (sliding window, soft cap, learned sinks)
     "cudnn": ("soft cap", "sinks"),  # jax.nn.dot_product_attention takes neither
     "tokamax": ("sinks",),
-    "clis_mgpu": ("sliding window", "soft cap"),  # the Mosaic GPU kernels by name; clis / online route these to Triton
-    "online_mgpu": ("sliding window", "soft cap"),
 }
 COMBINING = ("clis", "online", "clis_mgpu", "online_mgpu")  # what context parallelism runs
 

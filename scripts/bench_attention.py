@@ -16,6 +16,8 @@ Implementations that the platform lacks are skipped with a note: cuDNN needs an 
 tokamax must be installed, splash attention needs a TPU, dense XLA must fit in --xla-max-gb.
 TFLOP/s use 4·B·Hq·S²·D (half when causal; packed cases count the same nominal work), ×3.5
 for forward+backward. Writes JSON records, a markdown table and a PNG plot (same file stem).
+--window W / --softcap C give every case jax.nn's local_window_size=W and logits_soft_cap=C (Gemma 2,
+Mistral); the implementations in FEATURED take them (cuDNN the window only: with a cap it is skipped).
 
   python scripts/bench_attention.py --suite llm --seq-lens 8192 --out benchmarks/results/x.json
   python scripts/bench_attention.py --quick --out /tmp/quick.json     # tiny, CPU, interpret mode
@@ -60,8 +62,8 @@ def _inputs(b, s, hq, hkv, d, packed, seed=0, family="gaussian", dtype=jnp.bfloa
 
 def _tokamax(implementation):
   import tokamax  # optional
-  return lambda q, k, v, seg, causal: tokamax.dot_product_attention(q, k, v, is_causal=causal,
-                                                                     implementation=implementation)
+  return lambda q, k, v, seg, causal, **kw: tokamax.dot_product_attention(q, k, v, is_causal=causal,
+                                                                           implementation=implementation, **kw)
 
 
 def _splash(q, k, v, seg, causal):
@@ -114,15 +116,31 @@ def _clis_kernel(q, k, v, seg, causal, quick):
   return lambda: run(qp, kp, vp, segp, keys)
 
 
+# What takes --window / --softcap (as jax.nn's local_window_size / logits_soft_cap keywords)
+FEATURED = ("clis", "online", "clis_blocks", "clis_radius", "xla", "cudnn", "clis_triton", "online_triton", "clis_mgpu",
+            "online_mgpu", "clis_mgpu_triton_bwd", "tokamax_mosaic", "tokamax_triton")
+
+
+def feature_kwargs(window, softcap) -> dict:
+  """The keywords a FEATURED implementation takes for the case's window and cap (none when neither is set)."""
+  return {**({} if window is None else dict(local_window_size=window)),
+          **({} if softcap is None else dict(logits_soft_cap=softcap))}
+
+
 CERTIFYING = {"clis": {}, "clis_blocks": dict(bound="blocks"), "clis_radius": dict(bound="radius"), "clis_mgpu": dict(implementation="pallas_mgpu"),
               "clis_triton": dict(implementation="pallas_gpu")}
 
 
-def _certified_fraction(q, k, v, seg, causal, name, quick):
+def _certified_fraction(q, k, v, seg, causal, name, quick, **features):
   """The fraction of tiles a certifying variant ran certified on these inputs."""
-  kw = dict(CERTIFYING[name], **(dict(implementation="pallas_gpu", interpret=True) if quick else {}))
+  kw = dict(CERTIFYING[name], **features, **(dict(implementation="pallas_gpu", interpret=True) if quick else {}))
   _, stats = jax.jit(lambda q, k, v, seg: attention(q, k, v, seg, causal=causal, return_stats=True, **kw))(q, k, v, seg)
   return float(stats.certified_fraction)
+
+
+def _named(q, k, v, seg, causal, *, stabilizer, implementation, **kw):
+  """Our attention on a named backend."""
+  return attention(q, k, v, seg, causal=causal, stabilizer=stabilizer, implementation=implementation, **kw)
 
 
 def _backward_choice(q, k, v, seg, causal, stabilizer, fused, split=False):
@@ -154,31 +172,29 @@ def _tokamax_k_start(q, k, v, seg, causal):
 def implementations(names, platform, quick):
   """{name: f(q, k, v, seg, causal)} for the names this platform can run, and notes on the rest."""
   ours = dict(implementation="pallas_gpu", interpret=True) if quick else {}
-  table = {
-      "clis": lambda q, k, v, seg, causal: attention(q, k, v, seg, causal=causal, stabilizer="clis", **ours),
-      "online": lambda q, k, v, seg, causal: attention(q, k, v, seg, causal=causal, stabilizer="online", **ours),
-      "clis_blocks": lambda q, k, v, seg, causal: attention(q, k, v, seg, causal=causal, bound="blocks", **ours),
-      "clis_radius": lambda q, k, v, seg, causal: attention(q, k, v, seg, causal=causal, bound="radius", **ours),
-      "xla": lambda q, k, v, seg, causal: attention(q, k, v, seg, causal=causal, implementation="xla"),
-      "cudnn": lambda q, k, v, seg, causal: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
-                                                                         implementation="cudnn"),
+  table = {  # FEATURED entries take **kw: the case's window and cap
+      "clis": lambda q, k, v, seg, causal, **kw: attention(q, k, v, seg, causal=causal, stabilizer="clis", **ours, **kw),
+      "online": lambda q, k, v, seg, causal, **kw: attention(q, k, v, seg, causal=causal, stabilizer="online", **ours,
+                                                             **kw),
+      "clis_blocks": lambda q, k, v, seg, causal, **kw: attention(q, k, v, seg, causal=causal, bound="blocks", **ours,
+                                                                  **kw),
+      "clis_radius": lambda q, k, v, seg, causal, **kw: attention(q, k, v, seg, causal=causal, bound="radius", **ours,
+                                                                  **kw),
+      "xla": lambda q, k, v, seg, causal, **kw: attention(q, k, v, seg, causal=causal, implementation="xla", **kw),
+      "cudnn": lambda q, k, v, seg, causal, **kw: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
+                                                                               implementation="cudnn", **kw),
   }
   table["clis_prepass"] = functools.partial(_prepass, quick=quick)
   table["clis_blocks_prepass"] = functools.partial(_prepass, quick=quick, bound="blocks")
   if quick or platform == "gpu":
     table["clis_kernel"] = functools.partial(_clis_kernel, quick=quick)
   if platform == "gpu":  # clis / online above are the default (Mosaic GPU on Hopper); these name the kernels
-    table["clis_triton"] = lambda q, k, v, seg, causal: attention(q, k, v, seg, causal=causal, stabilizer="clis",
-                                                                  implementation="pallas_gpu")
-    table["online_triton"] = lambda q, k, v, seg, causal: attention(q, k, v, seg, causal=causal,
-                                                                    stabilizer="online", implementation="pallas_gpu")
-    table["clis_mgpu"] = lambda q, k, v, seg, causal: attention(q, k, v, seg, causal=causal, stabilizer="clis",
-                                                                implementation="pallas_mgpu")
-    table["online_mgpu"] = lambda q, k, v, seg, causal: attention(q, k, v, seg, causal=causal, stabilizer="online",
-                                                                  implementation="pallas_mgpu")
+    for stab in ("clis", "online"):
+      for name, impl in (("triton", "pallas_gpu"), ("mgpu", "pallas_mgpu")):
+        table[f"{stab}_{name}"] = functools.partial(_named, stabilizer=stab, implementation=impl)
     table["clis_mgpu_prepass"] = functools.partial(_prepass, quick=False, implementation="pallas_mgpu")
-    table["clis_mgpu_triton_bwd"] = lambda q, k, v, seg, causal: attention(  # the forward with the Triton backward
-        q, k, v, seg, causal=causal, stabilizer="clis", implementation="pallas_mgpu_triton_bwd")
+    table["clis_mgpu_triton_bwd"] = functools.partial(  # the forward with the Triton backward
+        _named, stabilizer="clis", implementation="pallas_mgpu_triton_bwd")
     for stab in ("clis", "online"):  # the API's default forward with the one-kernel Mosaic GPU backward
       table[f"{stab}_fused_bwd"] = functools.partial(_backward_choice, stabilizer=stab, fused=True)
       table[f"{stab}_two_kernel_bwd"] = functools.partial(_backward_choice, stabilizer=stab, fused=False)
@@ -228,7 +244,9 @@ def cases(args):
             hq, hkv, d = args.llm_heads
             heads = "" if (hq, hkv, d) == tuple(testing.LLM_HEADS) else f"_H{hq}-{hkv}_D{d}"
             docs = f"_docs{args.doc_len}" if packed and args.doc_len else ""
-            name = f"llm_{'causal' if causal else 'bidir'}{'_packed' if packed else ''}{docs}{heads}_S{s}"
+            feats = (f"_W{args.window}" if args.window is not None else "") + (
+                f"_cap{args.softcap:g}" if args.softcap is not None else "")
+            name = f"llm_{'causal' if causal else 'bidir'}{'_packed' if packed else ''}{docs}{heads}{feats}_S{s}"
             out.append(dict(case=name if family == "gaussian" else f"{name}_{family}", b=batch(s), s=s, hq=hq, hkv=hkv,
                             d=d, causal=causal, packed=packed, inputs=family))
   if args.suite in ("dit", "all"):
@@ -260,6 +278,8 @@ def main():
                       default=["clis", "clis_prepass", "clis_kernel", "online", "clis_blocks", "clis_blocks_prepass",
                                "clis_mgpu", "clis_mgpu_prepass", "online_mgpu", "cudnn", "xla", "tokamax_mosaic",
                                "tokamax_triton", "splash"])
+  parser.add_argument("--window", type=int, default=None, help="llm suite: local_window_size (jax.nn's)")
+  parser.add_argument("--softcap", type=float, default=None, help="llm suite: logits_soft_cap (Gemma 2's 50)")
   parser.add_argument("--xla-max-gb", type=float, default=16.0, help="skip dense XLA when its logits exceed this")
   parser.add_argument("--repeats", type=int, default=25)
   parser.add_argument("--inner", type=int, default=10)
@@ -271,7 +291,18 @@ def main():
                                                                       "clis_blocks", "clis_blocks_prepass",
                                                                       "xla", "cudnn"]
   platform = jax.devices()[0].platform
+  features = feature_kwargs(args.window, args.softcap)
+  if features and args.quick:
+    args.impls = [name for name in args.impls if name in FEATURED]
+  if features:
+    wrong = [name for name in args.impls if name not in FEATURED]
+    if wrong or args.suite != "llm":
+      raise SystemExit(f"--window / --softcap: the llm suite and --impls among {FEATURED}; got {wrong or args.suite}")
+    if args.softcap is not None and "cudnn" in args.impls:
+      args.impls = [name for name in args.impls if name != "cudnn"]
+      print("cudnn skipped: jax.nn's cuDNN attention takes no logits_soft_cap")
   fns, notes = implementations(args.impls, platform, args.quick)
+  fns = {name: functools.partial(f, **features) if features else f for name, f in fns.items()}
   for note in notes:
     print(note)
   meta = benchmarking.device_meta()
@@ -308,7 +339,7 @@ def main():
       except Exception as e:  # noqa: BLE001 — third-party kernels fail in many ways
         print(f"{c['case']} {key[0]} {key[1]} skipped: {type(e).__name__}: {str(e)[:300]}")
         del variants[key]
-    certified = {name: _certified_fraction(q, k, v, seg, c["causal"], name, args.quick)
+    certified = {name: _certified_fraction(q, k, v, seg, c["causal"], name, args.quick, **features)
                  for name, _ in variants if name in CERTIFYING}
     timings = benchmarking.interleaved_medians({f"{n}|{p}": fn for (n, p), fn in variants.items()},
                                                repeats=args.repeats, inner=args.inner)
@@ -318,7 +349,8 @@ def main():
       work = flops * {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}[pass_]
       records.append(dict(case=c["case"], impl=name, **{"pass": pass_}, ms=med, ms_min=lo, ms_max=hi,
                           tflops=None if name.endswith("prepass") else work / med / 1e9, B=c["b"], S=c["s"], Hq=c["hq"], Hkv=c["hkv"], D=c["d"],
-                          causal=c["causal"], packed=c["packed"], inputs=c["inputs"],
+                          causal=c["causal"], packed=c["packed"], inputs=c["inputs"], window=args.window,
+                          softcap=args.softcap,
                           certified=certified.get(name), repeat=args.repeats, inner=args.inner, **meta))
       print(f"{c['case']} {pass_} {name}: {med:.3f} ms [{lo:.3f}, {hi:.3f}] certified {certified.get(name)}",
             flush=True)  # as each case ends, so a run cut by its time limit still reports what it measured

@@ -65,10 +65,10 @@ def test_cpu_default_is_the_reference_and_matches_xla():
 @pytest.mark.parametrize("hopper,dtype,head_dim,window_or_cap,want", [
     (True, jnp.bfloat16, 128, False, "pallas_mgpu"), (True, jnp.float16, 64, False, "pallas_mgpu"),
     (True, jnp.float32, 128, False, "pallas_gpu"), (True, jnp.bfloat16, 96, False, "pallas_mgpu"),
-    (True, jnp.bfloat16, 256, False, "pallas_gpu"), (True, jnp.bfloat16, 128, True, "pallas_gpu"),
+    (True, jnp.bfloat16, 256, False, "pallas_gpu"), (True, jnp.bfloat16, 128, True, "pallas_mgpu"),
     (False, jnp.bfloat16, 128, False, "pallas_gpu")])
 def test_gpu_default_is_the_mosaic_backend_on_hopper_where_it_applies(hopper, dtype, head_dim, window_or_cap, want):
-  """Head dims up to 128 are padded to the Mosaic kernels' 64/128; windows and soft caps take Triton."""
+  """Head dims up to 128 are padded to the Mosaic kernels' 64/128 (local windows and soft caps included)."""
   call = plan.Call(jnp.dtype(dtype), head_dim, window_or_cap)
   assert plan.choose(None, call, plan.Platform("gpu", hopper=hopper)).name == want
 
@@ -117,13 +117,6 @@ def test_window_cap_and_segment_ids_get_one_clear_error(kwargs, message):
   kwargs.setdefault("causal", False)
   with pytest.raises(ValueError, match=message):
     attention(q, k, k, seg, **kwargs)
-
-
-def test_mosaic_gpu_refuses_window_and_soft_cap_by_name():
-  q = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
-  for kw in (dict(local_window_size=16), dict(logits_soft_cap=30.0)):
-    with pytest.raises(ValueError, match="'pallas_mgpu' has no local window or logits soft cap; use 'pallas_gpu'"):
-      jax.eval_shape(lambda q: attention(q, q, q, implementation="pallas_mgpu", platform=plan.HOPPER, **kw), q)
 
 
 def test_xla_path_follows_the_segment_convention():

@@ -14,7 +14,7 @@ import pytest
 
 from clis_kernels import reference_f64 as ref
 from attention_base import CLIS_VS_ONLINE, TOLERANCE, AttentionTests, lower_for_h200, packed_segments, random_inputs
-from clis_kernels import attention, pallas_gpu, pallas_mgpu, pallas_mgpu_vjp, plan, testing
+from clis_kernels import attention, masks, pallas_gpu, pallas_mgpu, pallas_mgpu_vjp, plan, testing
 from clis_kernels.plan import HOPPER
 
 ON_GPU = jax.devices()[0].platform == "gpu"
@@ -90,6 +90,35 @@ def test_kernel_lowers_for_the_gpu(causal, seq, d, stabilizer, granularity, pack
   text = lower_for_h200(jax.grad(loss, argnums=(0, 1, 2)), q, k, k, seg)
   kernels = 2 if d <= pallas_mgpu_vjp.FUSED_MAX_HEAD_DIM else 3
   assert text.count("custom_call @mosaic_gpu") == kernels and "clis_bwd" not in text
+
+
+# causal, seq, head dim, packed, attention keywords, backward tiles, stabilizer
+WINDOW_CAP_LOWERINGS = [
+    (True, 256, 128, False, dict(local_window_size=100), None, "clis"),
+    (False, 200, 64, False, dict(local_window_size=(40, 70)), None, "clis"),
+    (True, 256, 64, True, dict(logits_soft_cap=20.0), None, "clis"),
+    (False, 256, 128, False, dict(logits_soft_cap=20.0, local_window_size=64),
+     pallas_mgpu_vjp.BlockSizes(fused_dq=True, split_dq=True), "online"),
+    (True, 256, 128, True, dict(local_window_size=64), pallas_mgpu_vjp.BlockSizes(fused_dq=True), "clis"),
+]
+
+
+@pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
+@pytest.mark.parametrize("causal,seq,d,packed,kw,backward_tiles,stabilizer", WINDOW_CAP_LOWERINGS)
+def test_window_and_soft_cap_lower_for_the_gpu(causal, seq, d, packed, kw, backward_tiles, stabilizer):
+  """Local windows (the band's blocks only) and soft caps on the Mosaic GPU forward (in-kernel certificate) and
+  each Mosaic GPU backward (two kernels, fused, fused with split dQ): no Triton kernel left."""
+  q = jax.ShapeDtypeStruct((1, seq, 8, d), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, seq, 2, d), jnp.bfloat16)
+  seg = jax.ShapeDtypeStruct((1, seq), jnp.int32) if packed else None
+
+  def loss(q, k, v, seg):
+    return attention(q, k, v, seg, causal=causal, implementation="pallas_mgpu", platform=HOPPER, stabilizer=stabilizer,
+                     backward_block_sizes=backward_tiles, **kw).astype(jnp.float32).sum()
+
+  text = lower_for_h200(jax.grad(loss, argnums=(0, 1, 2)), q, k, k, seg)
+  two_kernels = backward_tiles is None and d > pallas_mgpu_vjp.FUSED_MAX_HEAD_DIM
+  assert text.count("custom_call @mosaic_gpu") == (3 if two_kernels else 2) and "clis_bwd" not in text
 
 
 @pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
@@ -217,7 +246,7 @@ GPU_CASES = [
 @needs_gpu
 class TestPallasMgpu(AttentionTests):
   """The shared test base on the Mosaic GPU kernels at their default tiles: bfloat16 (the widest dtype they
-  take), and float32 cases, head dims over 128, local windows and soft caps each get one clear error."""
+  take); float32 cases and head dims over 128 each get one clear error."""
   implementation = "pallas_mgpu"
   interpret = False
   block_sizes = pallas_mgpu.BlockSizes()
@@ -248,6 +277,54 @@ def test_mosaic_backward_matches_float64_on_gpu(case):
     assert all(bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in grads), label
     errors[label] = [ref.rel_err(g, w) for g, w in zip(grads, want)]
   for label in ("mosaic", "fused", "split")[:3 if d == 128 else 2]:
+    assert max(errors[label]) < TOLERANCE[jnp.bfloat16][1], (label, errors)
+    for mosaic, triton in zip(errors[label], errors["triton"]):
+      assert mosaic <= CLIS_VS_ONLINE * triton, (label, errors)
+
+
+# name, seq, q heads, kv heads, head dim, causal, packed, attention keywords
+WINDOW_CAP_CASES = [
+    ("causal_window300_gqa4_d128", 2048, 8, 2, 128, True, False, dict(local_window_size=300)),
+    ("bidir_window_odd_d64", 1000, 4, 2, 64, False, False, dict(local_window_size=(200, 90))),
+    ("causal_packed_window_d128", 1000, 8, 2, 128, True, True, dict(local_window_size=250)),
+    ("causal_cap30_d128", 1024, 8, 2, 128, True, False, dict(logits_soft_cap=30.0)),
+    ("bidir_cap20_d64_odd", 900, 4, 4, 64, False, False, dict(logits_soft_cap=20.0)),
+    ("gemma2_cap50_window512_d128", 2048, 8, 4, 128, True, False, dict(logits_soft_cap=50.0, local_window_size=512)),
+]
+
+
+@needs_gpu
+@pytest.mark.parametrize("case", WINDOW_CAP_CASES, ids=[c[0] for c in WINDOW_CAP_CASES])
+def test_window_and_soft_cap_match_float64_on_gpu(case):
+  """Local windows and soft caps on the Mosaic GPU kernels: the forward (certified and online) and every backward
+  (two kernels, fused, fused with split dQ at head dim 128) against float64, as accurate as the Triton backward.
+  Inputs scaled so the capped logits saturate."""
+  name, seq, hq, hkv, d, causal, packed, kw = case
+  q, k, v, do = random_inputs(len(name), 1, seq, hq, hkv, d, jnp.bfloat16)
+  if "logits_soft_cap" in kw:
+    q, k = q * 4.0, k * 4.0
+  seg = packed_segments(len(name), 1, seq) if packed else None
+  window = masks.as_window(kw.get("local_window_size"), causal=causal)
+  want = ref.attention(q, k, v, do, seg, causal=causal, window=window, softcap=kw.get("logits_soft_cap"))
+  fwd = {}
+  for stabilizer in ("clis", "online"):
+    out = attention(q, k, v, seg, causal=causal, stabilizer=stabilizer, implementation="pallas_mgpu", **kw)
+    fwd[stabilizer] = ref.rel_err(out, want[0])
+    assert fwd[stabilizer] < TOLERANCE[jnp.bfloat16][0], (stabilizer, fwd)
+  assert fwd["clis"] <= CLIS_VS_ONLINE * fwd["online"], fwd
+  if "logits_soft_cap" in kw:  # c <= tau / 2: every tile certifies
+    _, capped = attention(q, k, v, seg, causal=causal, implementation="pallas_mgpu", return_stats=True, **kw)
+    assert float(capped.certified_fraction) == 1.0
+  errors = {}
+  for label, (implementation, backward_tiles) in BACKWARDS.items():
+    if label == "split" and d != 128:
+      continue
+    f = lambda q, k, v: attention(q, k, v, seg, causal=causal, implementation=implementation,
+                                  backward_block_sizes=backward_tiles, **kw)
+    grads = jax.vjp(f, q, k, v)[1](do)
+    assert all(bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in grads), label
+    errors[label] = [ref.rel_err(g, w) for g, w in zip(grads, want[1:])]
+  for label in errors:
     assert max(errors[label]) < TOLERANCE[jnp.bfloat16][1], (label, errors)
     for mosaic, triton in zip(errors[label], errors["triton"]):
       assert mosaic <= CLIS_VS_ONLINE * triton, (label, errors)

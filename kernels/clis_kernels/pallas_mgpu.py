@@ -171,6 +171,8 @@ class _Config:
   track: bool = False  # listed: write each visited block's row maxima (the skip marking statistic)
   list_width: int = 0  # listed: entries per list (a power of two); the last holds the count
   doc_ranges: bool = False  # causal, packed: each CTA's loop starts at its documents' first KV block
+  window: tuple[int, int] | None = None  # local (left, right): the CTA visits its band's blocks only, all masked
+  cap2: float | None = None  # base-2 soft cap c·log2 e of c·tanh(s / c), or None
 
 
 class _Refs(NamedTuple):
@@ -329,7 +331,10 @@ def _kernel(q_ref, k_ref, v_ref, *refs, config: _Config):
   dtype, head_dim = q_ref.dtype, q_ref.shape[-1]
   batch, head = lax.axis_index("batch"), lax.axis_index("heads")
   cta_row0 = cta_first_row(q_ref.shape[1], c.block_q, causal=c.causal)
-  if not c.listed:  # what the memory warpgroup loads (listed: the list's count, read in shared memory)
+  if c.window is not None:  # the band's blocks [first, end), every step masked
+    band_first, band_end = _window_range(c, g, cta_row0, COMPUTE_WARPGROUPS * c.block_q)
+    cta_blocks = band_end - band_first
+  elif not c.listed:  # what the memory warpgroup loads (listed: the list's count, read in shared memory)
     _, cta_blocks = _kv_range(c, g, cta_row0, COMPUTE_WARPGROUPS * c.block_q)
 
   def body(s: _Scratch, ks: _KeysScratch | None, ss: _SegScratch | None, ls: _ListScratch | None):
@@ -350,6 +355,8 @@ def _kernel(q_ref, k_ref, v_ref, *refs, config: _Config):
       tile = lax.div(cta_row0, jnp.int32(COMPUTE_WARPGROUPS * c.block_q))
       first = read_range_entry(g.first.at[batch, tile], ss.first, ss.first_ready)
       blocks, block_of = cta_blocks - first, lambda i: first + i
+    elif c.window is not None:
+      blocks, block_of = cta_blocks, lambda i: band_first + i
     elif not c.listed:
       blocks, block_of = cta_blocks, lambda i: i
 
@@ -367,6 +374,12 @@ def _kernel(q_ref, k_ref, v_ref, *refs, config: _Config):
                 num_blocks=blocks, slots=c.slots, free=(s.k_free, s.v_free), block_of=block_of)
 
   pl.run_scoped(body, *_scratch(c, dtype, head_dim), collective_axes="wg")
+
+
+def _window_range(c: _Config, g: _Refs, row0, rows):
+  """(first, end): the KV blocks holding keys that rows [row0, row0 + rows) see under the local window."""
+  return masks.window_kv_blocks(lax.div(row0, jnp.int32(rows)), window=c.window, block_q=rows, block_k=c.block_kv,
+                                num_kv_blocks=g.k.shape[1] // c.block_kv, div=masks.idiv)
 
 
 def _kv_range(c: _Config, g: _Refs, row0, rows):
@@ -424,7 +437,12 @@ def _compute_warpgroup(c: _Config, g: _Refs, s: _Scratch, ks, ss, ls, *, wg, bat
   """Prologue (loads, then the certificate or the XLA one's M), the KV loop it allows, the epilogue."""
   q_smem, rows = s.qo.at[wg], s.rows.at[wg]
   row0 = cta_row0 + wg * c.block_q
-  full, total = _listed_range(c, ls) if c.listed else _kv_range(c, g, row0, c.block_q)
+  if c.window is not None:  # both warpgroups walk the CTA's band, every step masked (no drain)
+    full, total = 0, cta_blocks
+  elif c.listed:
+    full, total = _listed_range(c, ls)
+  else:
+    full, total = _kv_range(c, g, row0, c.block_q)
   if c.doc_ranges:  # steps count from the CTA's first block (launch clamps it to at most full)
     full, total = full - first_block, total - first_block
   plgpu.copy_gmem_to_smem(g.q.at[batch, pl.ds(row0, c.block_q), head], q_smem, s.q_ready.at[wg])
@@ -435,7 +453,7 @@ def _compute_warpgroup(c: _Config, g: _Refs, s: _Scratch, ks, ss, ls, *, wg, bat
       plgpu.copy_gmem_to_smem(g.centre.at[batch, 0, kv_head], ks.centre.at[wg], ks.centre_ready.at[wg])
     plgpu.copy_gmem_to_smem(g.bounds.at[batch, kv_head, :, pl.ds(row0, c.block_q)], ks.bounds.at[wg],
                             ks.bounds_ready.at[wg])
-    if c.causal:  # each row's own key: the lower bound L = t_ii
+    if _own_key(c):  # each row's own key: the lower bound L = t_ii
       plgpu.copy_gmem_to_smem(g.k.at[batch, pl.ds(row0, c.block_q), kv_head], ks.kdiag.at[wg], ks.kdiag_ready.at[wg])
   if c.has_segments:
     plgpu.copy_gmem_to_smem(g.qseg.at[batch, pl.ds(row0, c.block_q)], ss.qseg.at[wg], ss.qseg_ready.at[wg])
@@ -497,17 +515,24 @@ def _bound_rows(c: _Config, g: _Refs, ks: _KeysScratch, r: _Rows):
   radius, headroom, threshold, slack = (
       plgpu.load(ks.bounds.at[wg, j], layout=plgpu.Layout.WGMMA.reduce(1)) for j in range(4))
   k_diag = None
-  if c.causal:
+  if _own_key(c):
     plgpu.barrier_wait(ks.kdiag_ready.at[wg])
     k_diag = plgpu.load(ks.kdiag.at[wg], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
   upper, lower = row_bounds(q, centre, radius, k_diag, sigma2=c.sigma2)  # radius includes the slack
   if k_diag is None:  # L = σ₂·q·c with the rounded centre c' can exceed σ₂·q·c by σ₂·‖q‖·‖c − c'‖
     lower = lower - c.sigma2 * jnp.sqrt(jnp.sum(q * q, axis=1)) * slack
+  if c.cap2 is not None:  # monotone: the capped bounds bound the capped logits (the loop's own tanh)
+    upper, lower = (c.cap2 * exp2_tanh(x * (1.0 / c.cap2)) for x in (upper, lower))
   m, row_ok = stabilize(upper, lower, headroom, threshold)  # rows the API padded are zero: they pass
   row_ok = row_ok.astype(jnp.int32)
   if c.has_segments:  # packed padding rows (id 0) see no key: they pass, as in stabilize()
     row_ok = jnp.maximum(row_ok, (r.q_ids == 0).astype(jnp.int32))
   return m, row_ok
+
+
+def _own_key(c: _Config) -> bool:
+  """Whether every row sees its own key (causal or local), so that L = t_ii."""
+  return c.causal or c.window is not None
 
 
 def _decide(c: _Config, g: _Refs, ks: _KeysScratch, r: _Rows, row_ok):
@@ -539,7 +564,7 @@ def _attend(c: _Config, g: _Refs, s: _Scratch, ss, r: _Rows, fixed: bool, m_fixe
            *(() if fixed else (m0,)), l0)
   plgpu.barrier_wait(s.k_ready.at[0])
   pl.when(r.wg == 1)(r.turn)  # warpgroup 1 starts half a step behind warpgroup 0
-  masked_steps = c.causal or c.kv_len is not None
+  masked_steps = c.causal or c.kv_len is not None or c.window is not None
   if fixed and c.overlap:
     def first_qk(acc_ref):
       plgpu.wgmma(acc_ref, r.q_smem, s.k.at[0].T)
@@ -578,8 +603,29 @@ def _visible(c: _Config, s: _Scratch, ss, r: _Rows, qk, i, slot, masked: bool):
   if masked:
     q_pos = r.row0 + plgpu.broadcasted_iota(jnp.int32, qk.shape, 0, layout=plgpu.Layout.WGMMA)
     k_pos = r.block_of(i) * c.block_kv + plgpu.broadcasted_iota(jnp.int32, qk.shape, 1, layout=plgpu.Layout.WGMMA)
-    qk = jnp.where(q_pos >= k_pos if c.causal else k_pos < c.kv_len, qk, -jnp.inf)
+    if c.window is None:
+      qk = jnp.where(q_pos >= k_pos if c.causal else k_pos < c.kv_len, qk, -jnp.inf)
+    else:
+      seen = (k_pos >= q_pos - c.window[0]) & (k_pos <= q_pos + c.window[1])
+      if c.kv_len is not None:
+        seen = seen & (k_pos < c.kv_len)
+      qk = jnp.where(seen, qk, -jnp.inf)
   return qk
+
+
+def exp2_tanh(x):
+  """tanh(x) = 1 − 2 / (2^(2·log2 e·x) + 1), from ex2 and a reciprocal: within float32 rounding in absolute terms.
+  Mosaic GPU's tanh under approx_math is tanh.approx.f32 (~5e-4 relative: 0.01 of a logit capped at 20).
+  Saturates to ±1 with no NaN."""
+  return 1.0 - 2.0 / (jnp.exp2(x * (2.0 * LOG2E)) + 1.0)
+
+
+def _capped(c: _Config, qk):
+  """Q·Kᵀ soft-capped in the same units: σ₂ times the result is cap2·tanh(σ₂·qk / cap2) (stabilizer.soft_cap).
+  Before the mask: tanh would turn a hidden −inf into a finite −cap."""
+  if c.cap2 is None:
+    return qk
+  return (c.cap2 / c.sigma2) * exp2_tanh(qk * (c.sigma2 / c.cap2))
 
 
 def _step(c: _Config, s: _Scratch, ss, r: _Rows, fixed: bool, m0, i, carry, masked: bool):
@@ -593,8 +639,8 @@ def _step(c: _Config, s: _Scratch, ss, r: _Rows, fixed: bool, m0, i, carry, mask
     _turn(c, s)
     return acc_ref[...]
 
-  qk = _visible(c, s, ss, r, pl.run_scoped(qk_scope, plgpu.ACC((c.block_q, c.block_kv), jnp.float32)), i, slot,
-                masked)
+  qk = _visible(c, s, ss, r, _capped(c, pl.run_scoped(qk_scope, plgpu.ACC((c.block_q, c.block_kv), jnp.float32))), i,
+                slot, masked)
   row_max = qk.max(axis=1) * c.sigma2 if c.track or not fixed else None
   if c.track:
     _record_row_max(c, r, i, row_max)
@@ -644,7 +690,7 @@ def _overlapped_step(c: _Config, s: _Scratch, ss, r: _Rows, m0, i, carry, masked
   nothing of step i−1, so the tensor cores work while this warpgroup exponentiates)."""
   acc, l, qk = carry  # qk: block i's logits, already computed
   slot, nxt = lax.rem(i, jnp.int32(c.slots)), lax.rem(i + 1, jnp.int32(c.slots))
-  qk = _visible(c, s, ss, r, qk, i, slot, masked)
+  qk = _visible(c, s, ss, r, _capped(c, qk), i, slot, masked)
   if c.track:
     _record_row_max(c, r, i, qk.max(axis=1) * c.sigma2)
 
@@ -726,12 +772,6 @@ def kernel_key_inputs(keys: KeyBounds, *, row_centres: bool, dtype, seq: int, ti
   return centre, jnp.stack(bounds, axis=2).astype(jnp.float32)
 
 
-def _no_window_or_cap(window, softcap):
-  if window is not None or softcap is not None:
-    raise ValueError("implementation='pallas_mgpu' has no local window or logits soft cap; use "
-                     "implementation='pallas_gpu' (the default picks it when either is asked for)")
-
-
 def forward(q, k, v, segment_ids, stab: KeyBounds | Certificate | None, *, mode: Mode, causal, scale, kv_len,
             block_sizes: BlockSizes, seq_len: int | None = None, window=None, softcap=None, interpret=False):
   """Returns (o [B, S, Hq, D], lse [B, Hq, S] f32 base 2, certified tiles [B, Hq, S/64] or None).
@@ -741,10 +781,11 @@ def forward(q, k, v, segment_ids, stab: KeyBounds | Certificate | None, *, mode:
   BLOCKS, stab an XLA pre-pass's Certificate (granularity="head", the block bound); ONLINE, None.
   S must be a multiple of block_sizes.multiple (the API pads with zeros, which the in-kernel
   certificate relies on: zero rows pass). seq_len: accepted for the API's call, not needed.
+  window: local (left, right), or None: each CTA streams only its band's KV blocks, every step masked.
+  softcap: c of c·tanh(s / c), or None; the in-kernel certificate caps its bounds (capping is monotone).
   """
-  _no_window_or_cap(window, softcap)
   o, lse, certified, _ = _launch(q, k, v, segment_ids, stab, mode=mode, causal=causal, scale=scale, kv_len=kv_len,
-                                 block_sizes=block_sizes, interpret=interpret)
+                                 block_sizes=block_sizes, interpret=interpret, window=window, softcap=softcap)
   return o, lse, certified
 
 
@@ -767,7 +808,7 @@ def first_kv_blocks(segment_ids, *, cta_rows: int, block_kv: int):
 
 
 def _launch(q, k, v, segment_ids, stab, *, mode: Mode, causal, scale, kv_len, block_sizes: BlockSizes, interpret,
-            visit=None, track: bool = False):
+            visit=None, track: bool = False, window=None, softcap=None):
   keys, cert = stabilizer_inputs(stab, mode)
   _check(q, k, cert, scale, interpret)
   batch, seq, num_heads, _ = q.shape
@@ -783,7 +824,9 @@ def _launch(q, k, v, segment_ids, stab, *, mode: Mode, causal, scale, kv_len, bl
       has_segments=segment_ids is not None, row_centres=row_centres, pingpong=bs.pingpong, overlap=bs.overlap,
       exact_sum=bs.exact_sum, tc_sum=bs.sum_on_tensor_cores and mode != "online", listed=visit is not None,
       track=track and visit is not None, list_width=0 if visit is None else visit.shape[-1],
-      doc_ranges=bs.document_ranges and causal and segment_ids is not None and visit is None)
+      doc_ranges=bs.document_ranges and causal and segment_ids is not None and visit is None and window is None,
+      window=None if window is None else tuple(int(w) for w in window),
+      cap2=None if softcap is None else float(softcap) * LOG2E)
   kernel = functools.partial(_kernel, config=config)
   args = [q, k, v]
   if segment_ids is not None:  # key id 0 (padding) becomes −1: it then matches no query, padding included

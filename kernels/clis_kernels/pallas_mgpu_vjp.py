@@ -29,7 +29,7 @@ from clis_kernels import masks
 from clis_kernels.mgpu_pipeline import (COMPUTE_WARPGROUPS, RANGE_WIDTH, cta_first_row, kv_blocks, range_scratch,
                                         read_range_entry, stream_blocks, stream_kv, swizzled)
 from clis_kernels.common import int32_loop, out_struct
-from clis_kernels.pallas_mgpu import first_kv_blocks
+from clis_kernels.pallas_mgpu import exp2_tanh, first_kv_blocks
 from clis_kernels.stabilizer import LOG2E
 
 ROWS = 64  # rows per compute warpgroup (one wgmma M tile), and the streamed block in both kernels
@@ -70,24 +70,39 @@ class BlockSizes:
     return COMPUTE_WARPGROUPS * ROWS
 
 
-def _masked(s, row_pos, col_pos, row_ids, col_ids, *, causal_rows_are_queries, causal, kv_len, masked):
-  """s with −inf where a column is invisible to a row. Segment ids apply at every step; the causal
-  and kv_len masks only where the caller says the block straddles them."""
+def _masked(s, row_pos, col_pos, row_ids, col_ids, *, causal_rows_are_queries, causal, kv_len, masked, window=None):
+  """s with −inf where a column is invisible to a row. Segment ids apply at every step; the causal,
+  local-window and kv_len masks only where the caller says the block straddles them."""
   if row_ids is not None:
     same = lax.broadcast_in_dim(row_ids, s.shape, [0]) == lax.broadcast_in_dim(col_ids, s.shape, [1])
     s = jnp.where(same, s, -jnp.inf)
   if masked:
     rows = row_pos + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
     cols = col_pos + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
-    if causal:
+    if window is not None:
+      q_pos, k_pos = (rows, cols) if causal_rows_are_queries else (cols, rows)
+      seen = (k_pos >= q_pos - window[0]) & (k_pos <= q_pos + window[1])
+      if kv_len is not None:
+        seen = seen & (k_pos < kv_len)
+      s = jnp.where(seen, s, -jnp.inf)
+    elif causal:
       s = jnp.where(rows >= cols if causal_rows_are_queries else cols >= rows, s, -jnp.inf)
     else:
       s = jnp.where(cols < kv_len, s, -jnp.inf)
   return s
 
 
+def _capped(s, sigma2: float, cap2):
+  """(s', dtanh): Q·Kᵀ soft-capped in its own units (σ₂·s' = cap2·tanh(σ₂·s / cap2), as the forward) and the
+  cap's derivative 1 − tanh², which scales dS; (s, None) without a cap. Before the mask, as in the forward."""
+  if cap2 is None:
+    return s, None
+  th = exp2_tanh(s * (sigma2 / cap2))
+  return (cap2 / sigma2) * th, 1.0 - th * th
+
+
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, sigma2, scale, slots, kv_len,
-               group, has_segments, doc_ranges: bool = False):
+               group, has_segments, doc_ranges: bool = False, window=None, cap2=None):
   qseg_ref = kseg_ref = range_ref = None
   if has_segments:
     (qseg_ref, kseg_ref), refs = refs[:2], refs[2:]
@@ -101,6 +116,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, s
   kv_range = functools.partial(kv_blocks, causal=causal, block_kv=ROWS, num_kv_blocks=k_ref.shape[1] // ROWS,
                                kv_len=kv_len)
   _, cta_blocks = kv_range(cta_row0, COMPUTE_WARPGROUPS * ROWS)
+  if window is not None:  # the CTA's band [band_first, band_end) of KV blocks, every step masked
+    band_first, band_end = masks.window_kv_blocks(
+        lax.div(cta_row0, jnp.int32(COMPUTE_WARPGROUPS * ROWS)), window=window, block_q=COMPUTE_WARPGROUPS * ROWS,
+        block_k=ROWS, num_kv_blocks=k_ref.shape[1] // ROWS, div=masks.idiv)
 
   def body(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, q_ready, do_ready, lse_ready, delta_ready,
            k_ready, v_ready, free, *extra_scratch):
@@ -113,12 +132,15 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, s
                                *ranges)
       blocks, block_of = cta_blocks - first, (lambda i: first + i)
       slot_of = lambda i: lax.rem(i - first, jnp.int32(slots))
+    if window is not None:  # the same counting from the band's first block
+      first, blocks, block_of = band_first, band_end - band_first, (lambda i: band_first + i)
+      slot_of = lambda i: lax.rem(i - band_first, jnp.int32(slots))
 
     @pl.when(wg < COMPUTE_WARPGROUPS)
     def _compute():
       plgpu.set_max_registers(232, action="increase")
       row0 = cta_row0 + wg * ROWS
-      full, total = kv_range(row0, ROWS)
+      full, total = kv_range(row0, ROWS) if window is None else (first, first + blocks)
       rows = pl.ds(row0, ROWS)
       plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_smem.at[wg], q_ready.at[wg])
       plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, head], do_smem.at[wg], do_ready.at[wg])
@@ -142,13 +164,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, s
           plgpu.wgmma(acc_ref, q_smem.at[wg], k_smem.at[slot].T)
           return acc_ref[...]
 
-        s = pl.run_scoped(s_scope, plgpu.ACC((ROWS, ROWS), jnp.float32))
+        s, dtanh = _capped(pl.run_scoped(s_scope, plgpu.ACC((ROWS, ROWS), jnp.float32)), sigma2, cap2)
         k_ids = None
         if has_segments:
           plgpu.barrier_wait(kseg_ready.at[slot])
           k_ids = plgpu.load(kseg_smem.at[slot], layout=COL)
         s = _masked(s, row0, i * ROWS, q_ids, k_ids, causal_rows_are_queries=True, causal=causal, kv_len=kv_len,
-                    masked=masked)
+                    masked=masked, window=window)
         p = jnp.exp2(s * sigma2 - rows_of(lse))
         plgpu.barrier_wait(v_ready.at[slot])
 
@@ -157,6 +179,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, s
           return acc_ref[...]
 
         ds = p * (pl.run_scoped(dp_scope, plgpu.ACC((ROWS, ROWS), jnp.float32)) - rows_of(delta))
+        if dtanh is not None:
+          ds = ds * dtanh
 
         def dq_update(acc_ref):
           plgpu.wgmma(acc_ref, ds.astype(dtype), k_smem.at[slot])
@@ -173,9 +197,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, s
 
       acc = plgpu.layout_cast(jnp.zeros((ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA)
       acc = int32_loop(first, full, functools.partial(step, masked=False), acc)
-      if causal or kv_len is not None:
+      if causal or kv_len is not None or window is not None:
         acc = int32_loop(full, total, functools.partial(step, masked=True), acc)
-      if causal:
+      if causal and window is None:
         int32_loop(total, cta_blocks, release, None)
       q_smem.at[wg][...] = (acc * scale).astype(dtype)
       plgpu.commit_smem()
@@ -220,7 +244,8 @@ def _q_blocks(kv0, rows, *, causal: bool, num_q_blocks: int):
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, sigma2, scale, slots, group,
-                has_segments, fused_dq: bool = False, split_dq: bool = False, doc_ranges: bool = False):
+                has_segments, fused_dq: bool = False, split_dq: bool = False, doc_ranges: bool = False, window=None,
+                cap2=None):
   qseg_ref = kseg_ref = dq_ref = range_ref = None
   if has_segments:
     (qseg_ref, kseg_ref), refs = refs[:2], refs[2:]
@@ -236,7 +261,12 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
 
   q_range = functools.partial(_q_blocks, causal=causal, num_q_blocks=num_q_blocks)
   cta_first, cta_first_full = q_range(cta_kv0, COMPUTE_WARPGROUPS * ROWS)
-  all_q_blocks = jnp.asarray(num_q_blocks - cta_first, jnp.int32)  # q blocks the CTA streams per head of the group
+  cta_end = num_q_blocks  # one past the last q block the CTA visits
+  if window is not None:  # the band of q blocks whose rows see the CTA's keys, every step masked
+    cta_first, cta_end = masks.window_q_blocks(
+        lax.div(cta_kv0, jnp.int32(COMPUTE_WARPGROUPS * ROWS)), window=window, block_q=ROWS,
+        block_k=COMPUTE_WARPGROUPS * ROWS, num_q_blocks=num_q_blocks, div=masks.idiv)
+  all_q_blocks = jnp.asarray(cta_end - cta_first, jnp.int32)  # q blocks the CTA streams per head of the group
 
   def body(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, k_ready, v_ready, q_ready, do_ready, lse_ready,
            delta_ready, free, *extra_scratch):
@@ -246,7 +276,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
     dq_scratch, ranges = extra_scratch[:n_dq], extra_scratch[n_dq:]
     kseg_smem, qseg_smem, kseg_ready, qseg_ready = seg_scratch if has_segments else (None,) * 4
     ds_smem, dq_smem, ds_ready = (tuple(dq_scratch) + (None,) * 3)[:3]
-    end, per_head = num_q_blocks, all_q_blocks  # one past the last q block the CTA visits; blocks per head
+    end, per_head = cta_end, all_q_blocks  # one past the last q block the CTA visits; blocks per head
     if doc_ranges:
       end = read_range_entry(range_ref.at[batch, lax.axis_index("kv_tiles")], *ranges)
       per_head = end - cta_first
@@ -281,10 +311,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
           plgpu.wgmma(acc_ref, k_smem.at[wg], q_smem.at[slot].T)
           return acc_ref[...]
 
-        s = pl.run_scoped(s_scope, plgpu.ACC((ROWS, ROWS), jnp.float32))
+        s, dtanh = _capped(pl.run_scoped(s_scope, plgpu.ACC((ROWS, ROWS), jnp.float32)), sigma2, cap2)
         q_ids = None if not has_segments else plgpu.load(qseg_smem.at[slot], layout=COL)
         s = _masked(s, kv0, j * ROWS, k_ids, q_ids, causal_rows_are_queries=False, causal=causal, kv_len=None,
-                    masked=masked)
+                    masked=masked, window=window)
         lse = lax.broadcast_in_dim(plgpu.load(lse_smem.at[slot], layout=COL), s.shape, [1])
         delta = lax.broadcast_in_dim(plgpu.load(delta_smem.at[slot], layout=COL), s.shape, [1])
         p = jnp.exp2(s * sigma2 - lse)
@@ -294,6 +324,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
           return acc_ref[...]
 
         ds = p * (pl.run_scoped(dp_scope, plgpu.ACC((ROWS, ROWS), jnp.float32)) - delta)
+        if dtanh is not None:
+          ds = ds * dtanh
         if split_dq:
           i = g * per_head + j - cta_first  # the stream's step: its parity picks the dSᵀ buffers and barrier
           half = head_dim // 2
@@ -325,6 +357,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
         plgpu.barrier_arrive(free.at[slot])
 
       def head_loop(g, carry):
+        if window is not None:  # both warpgroups walk the CTA's band (lockstep for split_dq too)
+          return int32_loop(cta_first, end, functools.partial(step, g=g, masked=True), carry)
         if causal and split_dq:  # lockstep: both warpgroups take every step of the CTA (masking what they can't see)
           carry = int32_loop(cta_first, cta_first_full, functools.partial(step, g=g, masked=True), carry)
           return int32_loop(cta_first_full, end, functools.partial(step, g=g, masked=False), carry)
@@ -463,11 +497,12 @@ def default_block_sizes(head_dim: int, seq_len: int, dtype) -> BlockSizes:
 def backward(q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_sizes: BlockSizes, window=None,
              softcap=None, interpret=False):
   """Returns (dq, dk, dv) shaped like q, k, v; sequence lengths a multiple of block_sizes.multiple.
-  No local window, soft cap or interpret mode (plan.py never sends them here)."""
-  if window is not None or softcap is not None or interpret:
-    raise ValueError("pallas_mgpu_vjp.backward has no local window, soft cap or interpret mode")
+  window: local (left, right), or None (each CTA visits its band's blocks only, all masked); softcap: c of
+  c·tanh(s / c), or None (dS takes the cap's derivative). No interpret mode (plan.py never sends one here)."""
+  if interpret:
+    raise ValueError("pallas_mgpu_vjp.backward has no interpret mode")
   launch = Launches(q, k, v, segment_ids, o, lse, do, causal=causal, scale=scale, kv_len=kv_len,
-                    block_sizes=block_sizes)
+                    block_sizes=block_sizes, window=window, softcap=softcap)
   if block_sizes.fused_dq:
     return launch.fused()
   return launch.dq(), *launch.dkv()
@@ -477,7 +512,8 @@ class Launches:
   """The backward's kernel launches over one call's inputs, each callable alone (scripts/profile_backward.py
   times them apart): Δ = rowsum(dO ∘ O) and the kernels' arguments are made on construction, in XLA."""
 
-  def __init__(self, q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_sizes: BlockSizes):
+  def __init__(self, q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_sizes: BlockSizes,
+               window=None, softcap=None):
     batch, seq, num_heads, _ = q.shape
     kv_seq, num_kv_heads = k.shape[1:3]  # kv_seq may differ from seq (cross-attention)
     if seq % block_sizes.multiple or kv_seq % block_sizes.multiple:
@@ -489,9 +525,11 @@ class Launches:
     args = [q, k, v, do, lse, delta]
     if segment_ids is not None:  # key id 0 (padding) becomes −1, as in the forward
       args += [segment_ids.q.astype(jnp.int32), jnp.where(segment_ids.kv == 0, -1, segment_ids.kv).astype(jnp.int32)]
-    doc_ranges = block_sizes.document_ranges and causal and segment_ids is not None
+    doc_ranges = block_sizes.document_ranges and causal and segment_ids is not None and window is None
     self.common = dict(causal=causal, sigma2=scale * LOG2E, scale=scale, slots=block_sizes.slots,
-                       group=num_heads // num_kv_heads, has_segments=segment_ids is not None, doc_ranges=doc_ranges)
+                       group=num_heads // num_kv_heads, has_segments=segment_ids is not None, doc_ranges=doc_ranges,
+                       window=None if window is None else tuple(int(w) for w in window),
+                       cap2=None if softcap is None else float(softcap) * LOG2E)
     self.dq_args, self.dkv_args = args, args
     if doc_ranges:
       self.dq_args = args + [first_kv_blocks(segment_ids, cta_rows=COMPUTE_WARPGROUPS * ROWS, block_kv=ROWS)]

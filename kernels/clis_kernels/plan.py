@@ -81,7 +81,6 @@ class Entry:
   certifies_in_kernel: bool  # takes KeyBounds and certifies each tile itself (Mode.KEYS)
   interpretable: bool = True  # runs in Pallas interpret mode
   hopper_only: bool = False
-  window_and_soft_cap: bool = True
   skip: str | None = None  # the temporal-skipping forward (kernels/clis_kernels/diffusion), if it has one
   automatic: bool = True  # may implementation=None pick it
   backward_tiles: str | None = None  # module with the backward's BlockSizes (None: the forward's)
@@ -101,8 +100,6 @@ class Entry:
               "interpret=True to run it in Pallas interpret mode, or implementation='reference'")
     if self.hopper_only and not call.interpret and not platform.hopper:
       return "needs an NVIDIA Hopper GPU (H100, H200); use implementation='pallas_gpu'"
-    if call.window_or_cap and not self.window_and_soft_cap:
-      return "has no local window or logits soft cap; use 'pallas_gpu' (or implementation=None, which picks it)"
     if call.skipping and self.skip is None:
       return ("has no temporal-skipping forward (kernels/clis_kernels/diffusion); use 'pallas_mgpu', 'pallas_gpu', 'pallas_tpu' "
               "or 'reference'")
@@ -146,10 +143,10 @@ BLOCKS_FROM_TPU = 0
 
 REGISTRY: tuple[Entry, ...] = (
     Entry("pallas_mgpu", 30, ("gpu",), "pallas_mgpu", "pallas_mgpu_vjp", True, interpretable=False,
-          hopper_only=True, window_and_soft_cap=False, backward_tiles="pallas_mgpu_vjp", row_bounds="pallas_gpu_bounds",
+          hopper_only=True, backward_tiles="pallas_mgpu_vjp", row_bounds="pallas_gpu_bounds",
           certify_from=CERTIFY_FROM_MGPU, blocks_from=BLOCKS_FROM_MGPU, skip="diffusion.pallas_mgpu_skip"),
     Entry("pallas_mgpu_triton_bwd", 25, ("gpu",), "pallas_mgpu", "pallas_gpu_vjp", True, interpretable=False,
-          hopper_only=True, window_and_soft_cap=False, automatic=False, backward_tiles="pallas_gpu",
+          hopper_only=True, automatic=False, backward_tiles="pallas_gpu",
           row_bounds="pallas_gpu_bounds", blocks_from=BLOCKS_FROM_MGPU),
     Entry("pallas_gpu", 20, ("gpu",), "pallas_gpu", "pallas_gpu_vjp", True, skip="diffusion.pallas_gpu_skip",
           row_bounds="pallas_gpu_bounds"),
