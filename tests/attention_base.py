@@ -368,8 +368,10 @@ class AttentionTests:
     """Sliding-window attention (jax.nn's local_window_size; Mistral, Gemma) against float64, and a
     sink far behind the window does not stop later tiles from certifying: their radius spans the
     window's keys only."""
-    q, k, v, do = random_inputs(13, 1, 128, 4, 2, 64, self.dtype)
-    seg = packed_segments(13, 1, 128) if packed else None
+    # Four certificate tiles at least, so that the last tile's window blocks leave out the sink (key 2).
+    seq = max(128, 4 * self.block_sizes.tile)
+    q, k, v, do = random_inputs(13, 1, seq, 4, 2, 64, self.dtype)
+    seg = packed_segments(13, 1, seq) if packed else None
     if self.refusal(self.dtype, window_or_cap=True):
       return self.assert_refused(q, k, v, seg, causal=causal, local_window_size=window)
     left_right = masks.as_window(window, causal=causal)

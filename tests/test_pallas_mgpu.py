@@ -552,3 +552,26 @@ def test_causal_document_ranges_hold_every_visible_causal_pair(block_q, block_k)
   nq, nk = 512 // block_q, 512 // block_k
   assert np.all(first <= np.arange(nq) * block_q // block_k)
   assert np.all(end >= ((np.arange(nk) + 1) * block_k - 1) // block_q + 1) and np.all(end <= nq)
+
+
+@pytest.mark.parametrize("rows,block", [(64, 128), (64, 64), (128, 64)])
+def test_window_whole_blocks_are_wholly_visible_and_the_rest_of_the_band_is_masked(rows, block):
+  """masks.window_full_blocks / masked_edges, as the Mosaic GPU kernels split a window's band: the blocks they run
+  unmasked are exactly those every row sees whole (queries over key blocks; mirrored, keys over query blocks)."""
+  seq, num_blocks = 1024, 1024 // block
+  pos = np.arange(seq)
+  for window in [(100, 0), (300, 0), (40, 70), (0, 0), (1000, 1000), (16, 8)]:
+    for kv_len in (None, 1000):
+      seen = (pos[None, :] >= pos[:, None] - window[0]) & (pos[None, :] <= pos[:, None] + window[1])
+      if kv_len is not None:
+        seen &= pos[None, :] < kv_len
+      for mirrored in (False, True) if kv_len is None else (False,):  # the dK/dV kernel passes no kv_len
+        vis = seen.T if mirrored else seen  # rows = keys, columns = queries: the window mirrored
+        for row0 in range(0, seq, rows):
+          whole = masks.window_full_blocks(row0, rows=rows, window=window[::-1] if mirrored else window, block=block,
+                                           kv_len=None if mirrored else kv_len, div=lambda a, b: a // b)
+          lead, full = (int(x) for x in masks.masked_edges(0, num_blocks, whole))
+          band = vis[row0:row0 + rows].reshape(rows, num_blocks, block)
+          wholly = [b for b in range(num_blocks) if band[:, b].all()]  # contiguous: a window's band is
+          assert (lead, full) == ((wholly[0], wholly[-1] + 1) if wholly else (lead, lead)), (
+              window, kv_len, mirrored, row0, wholly, lead, full)

@@ -89,6 +89,26 @@ def window_kv_blocks(q_block, *, window, block_q: int, block_k: int, num_kv_bloc
   return first, end
 
 
+def window_full_blocks(row0, *, rows: int, window, block: int, kv_len: int | None, div):
+  """(lo, hi): the column blocks [lo, hi) of `block` keys that every row in [row0, row0 + rows) sees whole under
+  the local window (left, right) (and kv_len); the band's other blocks take the mask. hi may be below lo when
+  the window is narrower than the rows (no block is whole). Rows that are keys (a dK/dV kernel, columns = query
+  blocks) pass the window mirrored, (right, left)."""
+  left, right = window
+  lo = div(jnp.maximum(row0 + rows - 1 - left, 0) + block - 1, block)
+  hi = div(row0 + right + 1, block)
+  if kv_len is not None:
+    hi = jnp.minimum(hi, kv_len // block)
+  return lo, hi
+
+
+def masked_edges(first, end, whole):
+  """(lead, full): steps [first, lead) and [full, end) take the mask, [lead, full) are whole (whole = (lo, hi) of
+  window_full_blocks, clamped into the band)."""
+  lead = jnp.minimum(jnp.maximum(whole[0], first), end)
+  return lead, jnp.minimum(jnp.maximum(whole[1], lead), end)
+
+
 def window_q_blocks(kv_block, *, window, block_q: int, block_k: int, num_q_blocks: int, div):
   """(first, end): the q blocks [first, end) with rows that see some key of kv block `kv_block`."""
   left, right = window

@@ -264,6 +264,7 @@ class _Rows(NamedTuple):
   block_of: Callable  # loop step -> the KV block it visits (the step itself, or the kept-tile list's entry)
   lists: Any = None  # _ListScratch when listed
   rowmax: Any = None  # track: the row-maximum output (_Refs.rowmax)
+  lead: Any = 0  # window: steps [0, lead) are masked too (the band's lower edge); [lead, full) are whole
 
 
 def _scratch(c: _Config, dtype, head_dim: int):
@@ -356,7 +357,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, config: _Config):
       first = read_range_entry(g.first.at[batch, tile], ss.first, ss.first_ready)
       blocks, block_of = cta_blocks - first, lambda i: first + i
     elif c.window is not None:
-      blocks, block_of = cta_blocks, lambda i: band_first + i
+      first, blocks, block_of = band_first, cta_blocks, lambda i: band_first + i
     elif not c.listed:
       blocks, block_of = cta_blocks, lambda i: i
 
@@ -437,8 +438,12 @@ def _compute_warpgroup(c: _Config, g: _Refs, s: _Scratch, ks, ss, ls, *, wg, bat
   """Prologue (loads, then the certificate or the XLA one's M), the KV loop it allows, the epilogue."""
   q_smem, rows = s.qo.at[wg], s.rows.at[wg]
   row0 = cta_row0 + wg * c.block_q
-  if c.window is not None:  # both warpgroups walk the CTA's band, every step masked (no drain)
-    full, total = 0, cta_blocks
+  lead = 0  # steps [0, lead) take the window's mask (its band's first blocks)
+  if c.window is not None:  # both warpgroups walk the CTA's band (no drain), the mask at its edges only
+    whole = masks.window_full_blocks(row0, rows=c.block_q, window=c.window, block=c.block_kv, kv_len=c.kv_len,
+                                     div=masks.idiv)
+    lead, full = masks.masked_edges(0, cta_blocks, (whole[0] - first_block, whole[1] - first_block))
+    total = cta_blocks
   elif c.listed:
     full, total = _listed_range(c, ls)
   else:
@@ -463,7 +468,7 @@ def _compute_warpgroup(c: _Config, g: _Refs, s: _Scratch, ks, ss, ls, *, wg, bat
     plgpu.barrier_wait(ss.qseg_ready.at[wg])
     q_ids = plgpu.load(ss.qseg.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
   r = _Rows(wg, batch, head, kv_head, row0, full, total, cta_blocks, q_smem, rows, q_ids, g.q.dtype, *turns,
-            block_of, ls, g.rowmax)
+            block_of, ls, g.rowmax, lead)
 
   if c.mode in ("cert", "keys"):
     if c.mode == "cert":
@@ -572,13 +577,17 @@ def _attend(c: _Config, g: _Refs, s: _Scratch, ss, r: _Rows, fixed: bool, m_fixe
 
     step = functools.partial(_overlapped_step, c, s, ss, r, m0)
     carry = (*carry, pl.run_scoped(first_qk, plgpu.ACC((bq, c.block_kv), jnp.float32)))
-    carry = int32_loop(0, r.full, functools.partial(step, masked=False), carry)
+    if c.window is not None:
+      carry = int32_loop(0, r.lead, functools.partial(step, masked=True), carry)
+    carry = int32_loop(r.lead, r.full, functools.partial(step, masked=False), carry)
     if masked_steps:
       carry = int32_loop(r.full, r.total, functools.partial(step, masked=True), carry)
     carry = carry[:2]
   else:
     step = functools.partial(_step, c, s, ss, r, fixed, m0)
-    carry = int32_loop(0, r.full, functools.partial(step, masked=False), carry)
+    if c.window is not None:
+      carry = int32_loop(0, r.lead, functools.partial(step, masked=True), carry)
+    carry = int32_loop(r.lead, r.full, functools.partial(step, masked=False), carry)
     if masked_steps:
       carry = int32_loop(r.full, r.total, functools.partial(step, masked=True), carry)
   if c.causal:  # blocks the other warpgroup still needs: release them in step with its loop

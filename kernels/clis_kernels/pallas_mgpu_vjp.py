@@ -140,7 +140,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, s
     def _compute():
       plgpu.set_max_registers(232, action="increase")
       row0 = cta_row0 + wg * ROWS
-      full, total = kv_range(row0, ROWS) if window is None else (first, first + blocks)
+      lead = first  # steps [first, lead) take the window's mask (its band's lower edge)
+      if window is None:
+        full, total = kv_range(row0, ROWS)
+      else:
+        whole = masks.window_full_blocks(row0, rows=ROWS, window=window, block=ROWS, kv_len=kv_len, div=masks.idiv)
+        (lead, full), total = masks.masked_edges(first, first + blocks, whole), first + blocks
       rows = pl.ds(row0, ROWS)
       plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_smem.at[wg], q_ready.at[wg])
       plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, head], do_smem.at[wg], do_ready.at[wg])
@@ -196,7 +201,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, s
         plgpu.barrier_arrive(free.at[slot])
 
       acc = plgpu.layout_cast(jnp.zeros((ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA)
-      acc = int32_loop(first, full, functools.partial(step, masked=False), acc)
+      if window is not None:
+        acc = int32_loop(first, lead, functools.partial(step, masked=True), acc)
+      acc = int32_loop(lead, full, functools.partial(step, masked=False), acc)
       if causal or kv_len is not None or window is not None:
         acc = int32_loop(full, total, functools.partial(step, masked=True), acc)
       if causal and window is None:
@@ -357,8 +364,13 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
         plgpu.barrier_arrive(free.at[slot])
 
       def head_loop(g, carry):
-        if window is not None:  # both warpgroups walk the CTA's band (lockstep for split_dq too)
-          return int32_loop(cta_first, end, functools.partial(step, g=g, masked=True), carry)
+        if window is not None:  # both warpgroups walk the CTA's band (lockstep for split_dq too), masked at its edges
+          whole = masks.window_full_blocks(kv0, rows=ROWS, window=window[::-1], block=ROWS, kv_len=None,
+                                           div=masks.idiv)
+          lead, full = masks.masked_edges(cta_first, end, whole)
+          carry = int32_loop(cta_first, lead, functools.partial(step, g=g, masked=True), carry)
+          carry = int32_loop(lead, full, functools.partial(step, g=g, masked=False), carry)
+          return int32_loop(full, end, functools.partial(step, g=g, masked=True), carry)
         if causal and split_dq:  # lockstep: both warpgroups take every step of the CTA (masking what they can't see)
           carry = int32_loop(cta_first, cta_first_full, functools.partial(step, g=g, masked=True), carry)
           return int32_loop(cta_first_full, end, functools.partial(step, g=g, masked=False), carry)
