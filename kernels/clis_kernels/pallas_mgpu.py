@@ -51,6 +51,7 @@ DTYPES = (jnp.bfloat16, jnp.float16)
 FAILED_TILE_M = 1e30  # M sent for rows of a tile the XLA certificate failed (real M are far smaller)
 ONLINE_FLOOR = -1e20  # the online loop's starting max (base 2): below any real logit
 LIST_COLUMNS = 128  # a kept-tile list lies in rows of this many entries (one TMA box holds <= 256 per dimension)
+TANHS = ("exp2", "approx")  # BlockSizes.soft_cap_tanh
 SUM_COLUMNS = 16  # columns of the ones tile the tensor-core sum multiplies by (32-byte rows: wgmma's least swizzle)
 
 
@@ -74,6 +75,8 @@ class BlockSizes:
   wholly masked and were visited for nothing (8k rows of packed ~500-token documents: 70-80% of the causal
   blocks). On by default: bit-identical to the full causal loops (GPU tests), forward+backward 5.3x faster
   at 8k rows of 300-token documents (Gaussian inputs) (benchmarks/log.md, 2026-12-01, "document ranges on the GPU"); False visits every causal block.
+  soft_cap_tanh: how logits_soft_cap's tanh is computed (`cap_tanh`): "exp2" (float32-accurate) or "approx"
+  (tanh.approx.f32, one instruction); the backward's BlockSizes has the same field, and both should agree.
   The backward is the registry's choice (plan.py): "pallas_mgpu" takes pallas_mgpu_vjp's,
   "pallas_mgpu_triton_bwd" pallas_gpu_vjp's, each with its own BlockSizes.
   """
@@ -86,8 +89,11 @@ class BlockSizes:
   exact_sum: bool = True
   sum_on_tensor_cores: bool = False
   document_ranges: bool = True
+  soft_cap_tanh: str = "exp2"
 
   def __post_init__(self):
+    if self.soft_cap_tanh not in TANHS:
+      raise ValueError(f"{self.soft_cap_tanh=} must be one of {TANHS} (cap_tanh says what each costs)")
     if self.sum_on_tensor_cores and (not self.exact_sum or self.overlap):
       raise ValueError("sum_on_tensor_cores=True sums the rounded weights (exact_sum=True) in the ping-pong step "
                        "(overlap=False)")
@@ -173,6 +179,7 @@ class _Config:
   doc_ranges: bool = False  # causal, packed: each CTA's loop starts at its documents' first KV block
   window: tuple[int, int] | None = None  # local (left, right): the CTA visits its band's blocks only, all masked
   cap2: float | None = None  # base-2 soft cap c·log2 e of c·tanh(s / c), or None
+  tanh: str = "exp2"  # BlockSizes.soft_cap_tanh
 
 
 class _Refs(NamedTuple):
@@ -527,7 +534,7 @@ def _bound_rows(c: _Config, g: _Refs, ks: _KeysScratch, r: _Rows):
   if k_diag is None:  # L = σ₂·q·c with the rounded centre c' can exceed σ₂·q·c by σ₂·‖q‖·‖c − c'‖
     lower = lower - c.sigma2 * jnp.sqrt(jnp.sum(q * q, axis=1)) * slack
   if c.cap2 is not None:  # monotone: the capped bounds bound the capped logits (the loop's own tanh)
-    upper, lower = (c.cap2 * exp2_tanh(x * (1.0 / c.cap2)) for x in (upper, lower))
+    upper, lower = (c.cap2 * cap_tanh(x * (1.0 / c.cap2), c.tanh) for x in (upper, lower))
   m, row_ok = stabilize(upper, lower, headroom, threshold)  # rows the API padded are zero: they pass
   row_ok = row_ok.astype(jnp.int32)
   if c.has_segments:  # packed padding rows (id 0) see no key: they pass, as in stabilize()
@@ -622,11 +629,15 @@ def _visible(c: _Config, s: _Scratch, ss, r: _Rows, qk, i, slot, masked: bool):
   return qk
 
 
-def exp2_tanh(x):
-  """tanh(x) = 1 − 2 / (2^(2·log2 e·x) + 1), from ex2 and a reciprocal: within float32 rounding in absolute terms.
-  Mosaic GPU's tanh under approx_math is tanh.approx.f32 (~5e-4 relative: 0.01 of a logit capped at 20).
-  Saturates to ±1 with no NaN."""
-  return 1.0 - 2.0 / (jnp.exp2(x * (2.0 * LOG2E)) + 1.0)
+def cap_tanh(x, how: str):
+  """tanh for the soft cap (BlockSizes.soft_cap_tanh). "exp2": 1 − 2·r² with r = rsqrt(2^(2·log2 e·x) + 1), two
+  MUFU instructions (ex2, rsqrt.approx: ~2^-22 relative), within float32 rounding in absolute terms, saturating to
+  ±1 with no NaN. "approx": tanh.approx.f32 (Mosaic GPU's tanh under approx_math, tokamax's), one MUFU
+  instruction, ~2^-11 relative: 0.02 of a logit capped at 50."""
+  if how == "approx":
+    return jnp.tanh(x)
+  r = lax.rsqrt(jnp.exp2(x * (2.0 * LOG2E)) + 1.0)
+  return 1.0 - 2.0 * (r * r)
 
 
 def _capped(c: _Config, qk):
@@ -634,7 +645,7 @@ def _capped(c: _Config, qk):
   Before the mask: tanh would turn a hidden −inf into a finite −cap."""
   if c.cap2 is None:
     return qk
-  return (c.cap2 / c.sigma2) * exp2_tanh(qk * (c.sigma2 / c.cap2))
+  return (c.cap2 / c.sigma2) * cap_tanh(qk * (c.sigma2 / c.cap2), c.tanh)
 
 
 def _step(c: _Config, s: _Scratch, ss, r: _Rows, fixed: bool, m0, i, carry, masked: bool):
@@ -835,7 +846,7 @@ def _launch(q, k, v, segment_ids, stab, *, mode: Mode, causal, scale, kv_len, bl
       track=track and visit is not None, list_width=0 if visit is None else visit.shape[-1],
       doc_ranges=bs.document_ranges and causal and segment_ids is not None and visit is None and window is None,
       window=None if window is None else tuple(int(w) for w in window),
-      cap2=None if softcap is None else float(softcap) * LOG2E)
+      cap2=None if softcap is None else float(softcap) * LOG2E, tanh=bs.soft_cap_tanh)
   kernel = functools.partial(_kernel, config=config)
   args = [q, k, v]
   if segment_ids is not None:  # key id 0 (padding) becomes −1: it then matches no query, padding included

@@ -29,7 +29,7 @@ from clis_kernels import masks
 from clis_kernels.mgpu_pipeline import (COMPUTE_WARPGROUPS, RANGE_WIDTH, cta_first_row, kv_blocks, range_scratch,
                                         read_range_entry, stream_blocks, stream_kv, swizzled)
 from clis_kernels.common import int32_loop, out_struct
-from clis_kernels.pallas_mgpu import exp2_tanh, first_kv_blocks
+from clis_kernels.pallas_mgpu import TANHS, cap_tanh, first_kv_blocks
 from clis_kernels.stabilizer import LOG2E
 
 ROWS = 64  # rows per compute warpgroup (one wgmma M tile), and the streamed block in both kernels
@@ -52,14 +52,18 @@ class BlockSizes:
   dSᵀ through shared memory and each forms one half of the head dim from both, dS [64 q × 128 k]·K[:, half],
   so each step adds a [64, 64] f32 part per warpgroup instead of [64, 128] (half the reduce-add bytes, half the
   dQ accumulator's registers, half the staging memory). Both warpgroups then walk the CTA's steps in lockstep
-  (one 2-arrival barrier per step). Opt-in until timed on the H200."""
+  (one 2-arrival barrier per step). Opt-in until timed on the H200.
+  soft_cap_tanh: logits_soft_cap's tanh, as the forward's BlockSizes field of that name (they should agree)."""
 
   slots: int = 2
   fused_dq: bool = False
   document_ranges: bool = True
   split_dq: bool = False
+  soft_cap_tanh: str = "exp2"
 
   def __post_init__(self):
+    if self.soft_cap_tanh not in TANHS:
+      raise ValueError(f"{self.soft_cap_tanh=} must be one of {TANHS} (pallas_mgpu.cap_tanh says what each costs)")
     if self.slots < 2:
       raise ValueError(f"{self.slots=} must be at least 2 (one block computing while the next loads)")
     if self.split_dq and not self.fused_dq:
@@ -92,17 +96,17 @@ def _masked(s, row_pos, col_pos, row_ids, col_ids, *, causal_rows_are_queries, c
   return s
 
 
-def _capped(s, sigma2: float, cap2):
+def _capped(s, sigma2: float, cap2, tanh: str):
   """(s', dtanh): Q·Kᵀ soft-capped in its own units (σ₂·s' = cap2·tanh(σ₂·s / cap2), as the forward) and the
   cap's derivative 1 − tanh², which scales dS; (s, None) without a cap. Before the mask, as in the forward."""
   if cap2 is None:
     return s, None
-  th = exp2_tanh(s * (sigma2 / cap2))
+  th = cap_tanh(s * (sigma2 / cap2), tanh)
   return (cap2 / sigma2) * th, 1.0 - th * th
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, sigma2, scale, slots, kv_len,
-               group, has_segments, doc_ranges: bool = False, window=None, cap2=None):
+               group, has_segments, doc_ranges: bool = False, window=None, cap2=None, tanh: str = "exp2"):
   qseg_ref = kseg_ref = range_ref = None
   if has_segments:
     (qseg_ref, kseg_ref), refs = refs[:2], refs[2:]
@@ -169,7 +173,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, s
           plgpu.wgmma(acc_ref, q_smem.at[wg], k_smem.at[slot].T)
           return acc_ref[...]
 
-        s, dtanh = _capped(pl.run_scoped(s_scope, plgpu.ACC((ROWS, ROWS), jnp.float32)), sigma2, cap2)
+        s, dtanh = _capped(pl.run_scoped(s_scope, plgpu.ACC((ROWS, ROWS), jnp.float32)), sigma2, cap2, tanh)
         k_ids = None
         if has_segments:
           plgpu.barrier_wait(kseg_ready.at[slot])
@@ -252,7 +256,7 @@ def _q_blocks(kv0, rows, *, causal: bool, num_q_blocks: int):
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, sigma2, scale, slots, group,
                 has_segments, fused_dq: bool = False, split_dq: bool = False, doc_ranges: bool = False, window=None,
-                cap2=None):
+                cap2=None, tanh: str = "exp2"):
   qseg_ref = kseg_ref = dq_ref = range_ref = None
   if has_segments:
     (qseg_ref, kseg_ref), refs = refs[:2], refs[2:]
@@ -318,7 +322,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
           plgpu.wgmma(acc_ref, k_smem.at[wg], q_smem.at[slot].T)
           return acc_ref[...]
 
-        s, dtanh = _capped(pl.run_scoped(s_scope, plgpu.ACC((ROWS, ROWS), jnp.float32)), sigma2, cap2)
+        s, dtanh = _capped(pl.run_scoped(s_scope, plgpu.ACC((ROWS, ROWS), jnp.float32)), sigma2, cap2, tanh)
         q_ids = None if not has_segments else plgpu.load(qseg_smem.at[slot], layout=COL)
         s = _masked(s, kv0, j * ROWS, k_ids, q_ids, causal_rows_are_queries=False, causal=causal, kv_len=None,
                     masked=masked, window=window)
@@ -541,7 +545,7 @@ class Launches:
     self.common = dict(causal=causal, sigma2=scale * LOG2E, scale=scale, slots=block_sizes.slots,
                        group=num_heads // num_kv_heads, has_segments=segment_ids is not None, doc_ranges=doc_ranges,
                        window=None if window is None else tuple(int(w) for w in window),
-                       cap2=None if softcap is None else float(softcap) * LOG2E)
+                       cap2=None if softcap is None else float(softcap) * LOG2E, tanh=block_sizes.soft_cap_tanh)
     self.dq_args, self.dkv_args = args, args
     if doc_ranges:
       self.dq_args = args + [first_kv_blocks(segment_ids, cta_rows=COMPUTE_WARPGROUPS * ROWS, block_kv=ROWS)]
