@@ -7,6 +7,8 @@ present (`pytest tests/test_pallas_mgpu.py` on the device machine; BENCHMARKS.md
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -293,12 +295,16 @@ WINDOW_CAP_CASES = [
 ]
 
 
+WINDOW_CAP_RUNS = [(case, "exp2") for case in WINDOW_CAP_CASES] + [
+    (case, "approx") for case in WINDOW_CAP_CASES if "logits_soft_cap" in case[-1]]
+
+
 @needs_gpu
-@pytest.mark.parametrize("case", WINDOW_CAP_CASES, ids=[c[0] for c in WINDOW_CAP_CASES])
-def test_window_and_soft_cap_match_float64_on_gpu(case):
+@pytest.mark.parametrize("case,tanh", WINDOW_CAP_RUNS, ids=[f"{c[0]}-{t}" for c, t in WINDOW_CAP_RUNS])
+def test_window_and_soft_cap_match_float64_on_gpu(case, tanh):
   """Local windows and soft caps on the Mosaic GPU kernels: the forward (certified and online) and every backward
-  (two kernels, fused, fused with split dQ at head dim 128) against float64, as accurate as the Triton backward.
-  Inputs scaled so the capped logits saturate."""
+  (two kernels, fused, fused with split dQ at head dim 128) against float64, as accurate as the Triton backward
+  (after the default forward). Inputs scaled so the capped logits saturate; both soft_cap_tanh choices."""
   name, seq, hq, hkv, d, causal, packed, kw = case
   q, k, v, do = random_inputs(len(name), 1, seq, hq, hkv, d, jnp.bfloat16)
   if "logits_soft_cap" in kw:
@@ -306,21 +312,27 @@ def test_window_and_soft_cap_match_float64_on_gpu(case):
   seg = packed_segments(len(name), 1, seq) if packed else None
   window = masks.as_window(kw.get("local_window_size"), causal=causal)
   want = ref.attention(q, k, v, do, seg, causal=causal, window=window, softcap=kw.get("logits_soft_cap"))
+  forward_tiles = pallas_mgpu.BlockSizes(soft_cap_tanh=tanh)
   fwd = {}
   for stabilizer in ("clis", "online"):
-    out = attention(q, k, v, seg, causal=causal, stabilizer=stabilizer, implementation="pallas_mgpu", **kw)
+    out = attention(q, k, v, seg, causal=causal, stabilizer=stabilizer, implementation="pallas_mgpu",
+                    block_sizes=forward_tiles, **kw)
     fwd[stabilizer] = ref.rel_err(out, want[0])
     assert fwd[stabilizer] < TOLERANCE[jnp.bfloat16][0], (stabilizer, fwd)
   assert fwd["clis"] <= CLIS_VS_ONLINE * fwd["online"], fwd
   if "logits_soft_cap" in kw:  # c <= tau / 2: every tile certifies
-    _, capped = attention(q, k, v, seg, causal=causal, implementation="pallas_mgpu", return_stats=True, **kw)
+    _, capped = attention(q, k, v, seg, causal=causal, implementation="pallas_mgpu", return_stats=True,
+                          block_sizes=forward_tiles, **kw)
     assert float(capped.certified_fraction) == 1.0
   errors = {}
   for label, (implementation, backward_tiles) in BACKWARDS.items():
     if label == "split" and d != 128:
       continue
-    f = lambda q, k, v: attention(q, k, v, seg, causal=causal, implementation=implementation,
-                                  backward_block_sizes=backward_tiles, **kw)
+    tiles = {}
+    if label != "triton":  # the Triton backward after the default forward: the accurate baseline
+      tiles = dict(block_sizes=forward_tiles, backward_block_sizes=dataclasses.replace(
+          backward_tiles or pallas_mgpu_vjp.default_block_sizes(d, seq, jnp.bfloat16), soft_cap_tanh=tanh))
+    f = lambda q, k, v: attention(q, k, v, seg, causal=causal, implementation=implementation, **tiles, **kw)
     grads = jax.vjp(f, q, k, v)[1](do)
     assert all(bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in grads), label
     errors[label] = [ref.rel_err(g, w) for g, w in zip(grads, want[1:])]
