@@ -119,6 +119,18 @@ def test_window_cap_and_segment_ids_get_one_clear_error(kwargs, message):
     attention(q, k, k, seg, **kwargs)
 
 
+def test_hopper_default_certifies_wide_windows_only():
+  """implementation=None on Hopper: from plan.CERTIFY_FROM_MGPU keys on it certifies, except under a local window
+  narrower than plan.CERTIFY_WINDOW_FROM_MGPU keys per row, where the pre-pass over all of K/V costs more than the
+  band's kernel saves; a named backend certifies either way."""
+  kw = dict(dtype=jnp.bfloat16, head_dim=128, seq_len=32768, platform=plan.HOPPER, window_or_cap=True)
+  mode = lambda **extra: plan.make_plan(**kw, **extra).mode
+  assert mode(window_keys=4097) is not plan.Mode.ONLINE
+  assert mode(window_keys=129) is plan.Mode.ONLINE
+  assert mode(window_keys=129, implementation="pallas_mgpu") is not plan.Mode.ONLINE
+  assert mode() is not plan.Mode.ONLINE  # a soft cap alone
+
+
 def test_xla_path_follows_the_segment_convention():
   q, k, v, do = random_inputs(1, 1, 24, 2, 2, 64, jnp.float32)
   seg = jnp.asarray([[1] * 10 + [2] * 10 + [0] * 4], jnp.int32)

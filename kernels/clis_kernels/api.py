@@ -328,7 +328,9 @@ def attention(q, k, v, segment_ids=None, *, causal=True, scale=None, local_windo
   seq_len, kv_seq_len = q.shape[1], k.shape[1]
   plan = plan_lib.make_plan(dtype=q.dtype, head_dim=q.shape[-1], seq_len=max(seq_len, kv_seq_len),
                             stabilizer=stabilizer, bound=bound, causal=bool(causal), packed=segment_ids is not None, granularity=granularity, separate_ids=separate_ids,
-                            window_or_cap=window is not None or softcap is not None, implementation=implementation,
+                            window_or_cap=window is not None or softcap is not None,
+                            window_keys=None if window is None else window[0] + window[1] + 1,
+                            implementation=implementation,
                             block_sizes=block_sizes, backward_block_sizes=backward_block_sizes, interpret=interpret,
                             platform=platform)
   if 0 in q.shape or 0 in k.shape:

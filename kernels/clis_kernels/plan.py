@@ -86,6 +86,7 @@ class Entry:
   backward_tiles: str | None = None  # module with the backward's BlockSizes (None: the forward's)
   row_bounds: str | None = None  # module of the block bound's (U, L) kernel (Mode.BLOCKS), None: XLA
   certify_from: int = 0  # implementation=None: shorter sequences run online (certifying cannot pay there)
+  certify_window_from: int = 0  # implementation=None: narrower local windows (keys per row) run online too
   blocks_from: int | None = None  # bound=None: the block bound from this many keys on (its kernel pays), else radius
 
   def supports(self, call: Call, platform: Platform, *, automatic: bool = False) -> str | None:
@@ -131,6 +132,11 @@ def _function(path: str, default: str):
 # ones, where it certifies nothing, and the block bound does not gain on either), so
 # implementation=None runs shorter calls online; naming the backend certifies at every length.
 CERTIFY_FROM_MGPU = 16384
+# A local window narrower than this many keys per row runs online by default on Hopper: the certificate's pre-pass
+# reads all of K and V while the windowed kernel reads only the band, so it costs more than it saves on narrow
+# windows (H200, causal 32k, sink-shaped inputs, BENCHMARKS.md §1: window 4096 at D 128, clis 1.080x online; window
+# 128 at D 64, 0.742x).
+CERTIFY_WINDOW_FROM_MGPU = 4096
 # From this many keys the block bound pays on Gaussian and pretrained-like inputs alike (BENCHMARKS.md,
 # issue 16); bound=None takes it there where its kernel takes the call, the radius below.
 BLOCKS_FROM_MGPU = 16384
@@ -144,7 +150,8 @@ BLOCKS_FROM_TPU = 0
 REGISTRY: tuple[Entry, ...] = (
     Entry("pallas_mgpu", 30, ("gpu",), "pallas_mgpu", "pallas_mgpu_vjp", True, interpretable=False,
           hopper_only=True, backward_tiles="pallas_mgpu_vjp", row_bounds="pallas_gpu_bounds",
-          certify_from=CERTIFY_FROM_MGPU, blocks_from=BLOCKS_FROM_MGPU, skip="diffusion.pallas_mgpu_skip"),
+          certify_from=CERTIFY_FROM_MGPU, certify_window_from=CERTIFY_WINDOW_FROM_MGPU, blocks_from=BLOCKS_FROM_MGPU,
+          skip="diffusion.pallas_mgpu_skip"),
     Entry("pallas_mgpu_triton_bwd", 25, ("gpu",), "pallas_mgpu", "pallas_gpu_vjp", True, interpretable=False,
           hopper_only=True, automatic=False, backward_tiles="pallas_gpu",
           row_bounds="pallas_gpu_bounds", blocks_from=BLOCKS_FROM_MGPU),
@@ -241,10 +248,12 @@ def automatic_bound(entry: Entry, *, seq_len: int, causal: bool, packed: bool, s
 def make_plan(*, dtype, head_dim: int, seq_len: int, stabilizer: str = "clis", bound: str | None = None,
               causal: bool = True, packed: bool = False,
               granularity: str = "tile", separate_ids: bool = False, window_or_cap: bool = False,
-              skipping: bool = False, implementation: str | None = None, block_sizes=None,
+              skipping: bool = False, window_keys: int | None = None, implementation: str | None = None,
+              block_sizes=None,
               backward_block_sizes=None, interpret: bool = False, platform: Platform | None = None) -> Plan:
   """The plan for one call. seq_len: the longer of the query and key lengths (tile heuristics and
-  the length rules); bound None: `automatic_bound`, which reads causal and packed (segment ids given)."""
+  the length rules); window_keys: keys a row sees under a local window (left + right + 1), or None; bound None:
+  `automatic_bound`, which reads causal and packed (segment ids given)."""
   platform = Platform.detect() if platform is None else platform
   call = Call(jnp.dtype(dtype), head_dim, window_or_cap, skipping, interpret)
   entry = choose(implementation, call, platform)
@@ -262,7 +271,8 @@ def make_plan(*, dtype, head_dim: int, seq_len: int, stabilizer: str = "clis", b
     raise ValueError(f"backward_block_sizes for implementation={entry.name!r} must be "
                      f"{backend.backward_block_sizes_type.__module__}.BlockSizes; got "
                      f"{type(backward_block_sizes).__name__}")
-  if implementation is None and seq_len < entry.certify_from:
+  narrow = window_keys is not None and window_keys < entry.certify_window_from
+  if implementation is None and (seq_len < entry.certify_from or narrow):
     stabilizer = "online"  # the automatic choice: certifying cannot pay on rows this short
   if bound is None:
     bound = automatic_bound(entry, seq_len=seq_len, causal=causal, packed=packed, separate_ids=separate_ids,
