@@ -118,7 +118,7 @@ def _clis_kernel(q, k, v, seg, causal, quick):
 
 # What takes --window / --softcap (as jax.nn's local_window_size / logits_soft_cap keywords)
 FEATURED = ("clis", "online", "clis_blocks", "clis_radius", "xla", "cudnn", "clis_triton", "online_triton", "clis_mgpu",
-            "online_mgpu", "clis_mgpu_triton_bwd", "clis_approx_tanh", "online_approx_tanh", "tokamax_mosaic",
+            "online_mgpu", "clis_mgpu_triton_bwd", "clis_exp2_tanh", "online_exp2_tanh", "tokamax_mosaic",
             "tokamax_triton")
 
 
@@ -151,12 +151,12 @@ def _backward_choice(q, k, v, seg, causal, stabilizer, fused, split=False):
                    backward_block_sizes=pallas_mgpu_vjp.BlockSizes(fused_dq=fused, split_dq=split))
 
 
-def _approx_tanh(q, k, v, seg, causal, stabilizer, **kw):
-  """The Mosaic GPU kernels with the soft cap's tanh as tanh.approx.f32 (BlockSizes(soft_cap_tanh="approx"))."""
+def _exp2_tanh(q, k, v, seg, causal, stabilizer, **kw):
+  """The Mosaic GPU kernels with the soft cap's float32-accurate tanh (BlockSizes(soft_cap_tanh="exp2"))."""
   return attention(q, k, v, seg, causal=causal, stabilizer=stabilizer, implementation="pallas_mgpu",
-                   block_sizes=pallas_mgpu.BlockSizes(soft_cap_tanh="approx"),
+                   block_sizes=pallas_mgpu.BlockSizes(soft_cap_tanh="exp2"),
                    backward_block_sizes=pallas_mgpu_vjp.BlockSizes(
-                       fused_dq=q.shape[-1] <= pallas_mgpu_vjp.FUSED_MAX_HEAD_DIM, soft_cap_tanh="approx"), **kw)
+                       fused_dq=q.shape[-1] <= pallas_mgpu_vjp.FUSED_MAX_HEAD_DIM, soft_cap_tanh="exp2"), **kw)
 
 
 def _all_blocks(q, k, v, seg, causal, stabilizer):
@@ -209,7 +209,7 @@ def implementations(names, platform, quick):
       table[f"{stab}_two_kernel_bwd"] = functools.partial(_backward_choice, stabilizer=stab, fused=False)
       table[f"{stab}_split_bwd"] = functools.partial(_backward_choice, stabilizer=stab, fused=True, split=True)
       table[f"{stab}_all_blocks"] = functools.partial(_all_blocks, stabilizer=stab)
-      table[f"{stab}_approx_tanh"] = functools.partial(_approx_tanh, stabilizer=stab)
+      table[f"{stab}_exp2_tanh"] = functools.partial(_exp2_tanh, stabilizer=stab)
     table["tokamax_k_start"] = _tokamax_k_start
   fns, notes = {}, []
   for name in names:

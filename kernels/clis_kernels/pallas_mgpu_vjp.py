@@ -59,7 +59,7 @@ class BlockSizes:
   fused_dq: bool = False
   document_ranges: bool = True
   split_dq: bool = False
-  soft_cap_tanh: str = "exp2"
+  soft_cap_tanh: str = "approx"
 
   def __post_init__(self):
     if self.soft_cap_tanh not in TANHS:
@@ -106,7 +106,7 @@ def _capped(s, sigma2: float, cap2, tanh: str):
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, sigma2, scale, slots, kv_len,
-               group, has_segments, doc_ranges: bool = False, window=None, cap2=None, tanh: str = "exp2"):
+               group, has_segments, doc_ranges: bool = False, window=None, cap2=None, tanh: str = "approx"):
   qseg_ref = kseg_ref = range_ref = None
   if has_segments:
     (qseg_ref, kseg_ref), refs = refs[:2], refs[2:]
@@ -256,7 +256,7 @@ def _q_blocks(kv0, rows, *, causal: bool, num_q_blocks: int):
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, sigma2, scale, slots, group,
                 has_segments, fused_dq: bool = False, split_dq: bool = False, doc_ranges: bool = False, window=None,
-                cap2=None, tanh: str = "exp2"):
+                cap2=None, tanh: str = "approx"):
   qseg_ref = kseg_ref = dq_ref = range_ref = None
   if has_segments:
     (qseg_ref, kseg_ref), refs = refs[:2], refs[2:]
