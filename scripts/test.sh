@@ -13,4 +13,11 @@ for arg in "$@"; do
   if [ "$arg" = "--fast" ]; then args+=(-m "not slow"); unset CLIS_REQUIRE_HF
   else args+=("$arg"); fi
 done
-exec .venv/bin/python -m pytest -q --durations=40 "${args[@]}"
+# One persistent compilation cache per run: the subprocesses (fault children, scripts) and both workers compile many
+# of the same programs (the SIGKILL test: 46 -> 34 s); a fresh directory keeps runs independent.
+cache=""
+if [ -z "${JAX_COMPILATION_CACHE_DIR:-}" ]; then cache=$(mktemp -d); export JAX_COMPILATION_CACHE_DIR=$cache; fi
+status=0
+.venv/bin/python -m pytest -q --durations=40 "${args[@]}" || status=$?
+[ -z "$cache" ] || rm -rf "$cache"
+exit $status
