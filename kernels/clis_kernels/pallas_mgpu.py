@@ -14,7 +14,8 @@ kernel; bidirectional packed rows against their segment's centre), or reads the 
              after the softmax has handed the tensor cores to the other warpgroup (BlockSizes.exact_sum).
   otherwise: the online softmax (running max, rescale), also the whole of stabilizer="online".
 Under the causal mask the loop splits into blocks wholly below the diagonal (no mask) and the
-few that straddle it; causal q tiles run last-first so the longest start early.
+few that straddle it; causal q tiles run last-first so the longest start early. A local window streams only the
+band's blocks and masks its edge blocks (masks.window_full_blocks); a soft cap caps Q·Kᵀ before the mask (`cap_tanh`).
 Layout: q [B, S, Hq, D], k/v [B, S, Hkv, D] (the API's); lse [B, Hq, S] f32 base 2, as both
 backwards expect (pallas_mgpu_vjp, the default, and pallas_gpu_vjp's Triton one).
 
@@ -179,7 +180,7 @@ class _Config:
   track: bool = False  # listed: write each visited block's row maxima (the skip marking statistic)
   list_width: int = 0  # listed: entries per list (a power of two); the last holds the count
   doc_ranges: bool = False  # causal, packed: each CTA's loop starts at its documents' first KV block
-  window: tuple[int, int] | None = None  # local (left, right): the CTA visits its band's blocks only, all masked
+  window: tuple[int, int] | None = None  # local (left, right): the CTA visits its band's blocks only
   cap2: float | None = None  # base-2 soft cap c·log2 e of c·tanh(s / c), or None
   tanh: str = "approx"  # BlockSizes.soft_cap_tanh
 
@@ -341,7 +342,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, config: _Config):
   dtype, head_dim = q_ref.dtype, q_ref.shape[-1]
   batch, head = lax.axis_index("batch"), lax.axis_index("heads")
   cta_row0 = cta_first_row(q_ref.shape[1], c.block_q, causal=c.causal)
-  if c.window is not None:  # the band's blocks [first, end), every step masked
+  if c.window is not None:  # the band's blocks [first, end)
     band_first, band_end = _window_range(c, g, cta_row0, COMPUTE_WARPGROUPS * c.block_q)
     cta_blocks = band_end - band_first
   elif not c.listed:  # what the memory warpgroup loads (listed: the list's count, read in shared memory)
@@ -638,7 +639,7 @@ def cap_tanh(x, how: str):
   approx_math, tokamax's), one MUFU instruction, ~2^-11 relative. "exp2": 1 − 2·r² with r = rsqrt(2^(2·log2 e·x)
   + 1), two MUFU instructions (ex2, rsqrt.approx: ~2^-22 relative), saturating to ±1 with no NaN. On the H200 both
   give the same errors against float64 as the Triton kernels' tanh (notes/experiments/cap_tanh_accuracy.py), and
-  "approx" runs the capped forward 1.29-1.34x faster (BENCHMARKS.md §1). The certificate widens its capped bounds
+  "approx" runs the capped forward 1.25-1.34x faster (BENCHMARKS.md §1). The certificate widens its capped bounds
   by TANH_ERROR·cap2 either way, so an inexact tanh cannot break it."""
   if how == "approx":
     return jnp.tanh(x)
