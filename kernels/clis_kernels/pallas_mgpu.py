@@ -627,10 +627,8 @@ def _visible(c: _Config, s: _Scratch, ss, r: _Rows, qk, i, slot, masked: bool):
     if c.window is None:
       qk = jnp.where(q_pos >= k_pos if c.causal else k_pos < c.kv_len, qk, -jnp.inf)
     else:
-      seen = (k_pos >= q_pos - c.window[0]) & (k_pos <= q_pos + c.window[1])
-      if c.kv_len is not None:
-        seen = seen & (k_pos < c.kv_len)
-      qk = jnp.where(seen, qk, -jnp.inf)
+      seen = masks.visible_pairs(q_pos, k_pos, None, None, causal=False, kv_len=c.kv_len, window=c.window)
+      qk = jnp.where(seen, qk, -jnp.inf)  # causal: the window's right side is 0
   return qk
 
 

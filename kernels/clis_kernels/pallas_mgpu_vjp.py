@@ -85,10 +85,8 @@ def _masked(s, row_pos, col_pos, row_ids, col_ids, *, causal_rows_are_queries, c
     cols = col_pos + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
     if window is not None:
       q_pos, k_pos = (rows, cols) if causal_rows_are_queries else (cols, rows)
-      seen = (k_pos >= q_pos - window[0]) & (k_pos <= q_pos + window[1])
-      if kv_len is not None:
-        seen = seen & (k_pos < kv_len)
-      s = jnp.where(seen, s, -jnp.inf)
+      seen = masks.visible_pairs(q_pos, k_pos, None, None, causal=False, kv_len=kv_len, window=window)
+      s = jnp.where(seen, s, -jnp.inf)  # causal: the window's right side is 0
     elif causal:
       s = jnp.where(rows >= cols if causal_rows_are_queries else cols >= rows, s, -jnp.inf)
     else:
