@@ -10,6 +10,9 @@ from clis_kernels.plan import Platform
 
 
 class TestPallasTpu(AttentionTests):
+  """interpret=True: Pallas's plain interpreter (the grid as XLA loops), 3-4x faster here than the TPU interpreter
+  that simulates VMEM, SMEM and DMAs; test_the_simulating_interpreter_gives_the_same_bits runs that one."""
+
   implementation = "pallas_tpu"
   interpret = True
   # 32-row tiles (certificates per tile as on the GPU tests), 64-key steps: TPU interpret mode simulates every grid
@@ -28,6 +31,34 @@ class TestPallasTpu(AttentionTests):
   @pytest.mark.parametrize("layer", [6])
   def test_real_activations_of_a_trained_model(self, layer):
     super().test_real_activations_of_a_trained_model(layer)
+
+
+@pytest.mark.parametrize("stabilizer", ["clis", "online"])
+def test_the_simulating_interpreter_gives_the_same_bits(stabilizer):
+  """pltpu.InterpretParams (the TPU interpreter: VMEM, SMEM and every DMA simulated and checked) runs the forward and
+  both backward kernels with the scalar-prefetched tables (certificate, document ranges) on packed GQA rows with
+  sinks, and gives the plain interpreter's bits; the block bound certifies there."""
+  from jax.experimental.pallas import tpu as pltpu
+  from clis_kernels import reference_f64 as ref, testing
+  q, k, v, do, seg = testing.inputs("packed_sinks", 1, 128, 4, 2, 64)
+  bs = pallas_tpu.BlockSizes(32, 64, 64, 64, 64, 64, document_ranges=True)
+  results = []
+  for interpret in (True, pltpu.InterpretParams()):
+    run = lambda q, k, v: attention(q, k, v, seg, causal=True, stabilizer=stabilizer, implementation="pallas_tpu",
+                                    interpret=interpret, block_sizes=bs, return_stats=True)
+    (out, stats), vjp = jax.vjp(run, q, k, v)
+    results.append((out, *vjp((do, jax.tree.map(jnp.zeros_like, stats)))))
+    assert float(stats.certified_fraction) == (1.0 if stabilizer == "clis" else 0.0)
+  for simulated, plain in zip(results[1], results[0]):
+    assert bool((simulated == plain).all())
+  assert ref.rel_err(results[0][0], ref.attention(q, k, v, do, seg, causal=True)[0]) < 2e-2
+
+
+def test_the_simulating_interpreter_is_for_the_tpu_kernels_only():
+  from jax.experimental.pallas import tpu as pltpu
+  q = jnp.zeros((1, 64, 2, 64), jnp.float32)
+  with pytest.raises(ValueError, match="InterpretParams is for implementation='pallas_tpu'"):
+    attention(q, q, q, implementation="pallas_gpu", interpret=pltpu.InterpretParams())
 
 
 @pytest.mark.parametrize("causal,seq,packed", [(True, 1000, False), (False, 1000, False), (True, 1024, True)])

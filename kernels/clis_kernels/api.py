@@ -282,7 +282,8 @@ def attention(q, k, v, segment_ids=None, *, causal=True, scale=None, local_windo
     "pallas_mgpu", "reference", "xla" (a named backend certifies at every length).
   block_sizes: the forward's BlockSizes dataclass; backward_block_sizes: the backward's (default:
     their heuristics). "pallas_mgpu_triton_bwd" is the Mosaic GPU forward with the Triton backward.
-  interpret: run a Pallas backend in Pallas interpret mode (on the CPU).
+  interpret: run a Pallas backend in Pallas interpret mode (on the CPU); for "pallas_tpu" also a
+    `pltpu.InterpretParams`, the TPU interpreter that simulates VMEM, SMEM and DMAs and checks them (slower).
   platform: a plan.Platform to plan for (default: the first device's); tracing and lowering for
     another platform (an H200 on a CPU) need it.
   sinks: [Hq] learned sink logits (gpt-oss; natural-log units, next to the scaled logits), or None: each head's

@@ -67,9 +67,11 @@ def default_block_sizes(head_dim: int, seq_len: int, dtype) -> BlockSizes:
   return BlockSizes(*(min(512, cap),) * 6)
 
 
-def interpret_mode(interpret: bool):
-  """TPU interpret mode (simulated VMEM/SMEM/DMA) when asked, else compile for the TPU."""
-  return pltpu.InterpretParams() if interpret else False
+def interpret_mode(interpret):
+  """pallas_call's `interpret`: a `pltpu.InterpretParams` as given (the TPU interpreter, which simulates VMEM, SMEM
+  and each DMA and checks them; several times slower), True for Pallas's plain interpreter (the grid run as XLA
+  loops: the same arithmetic, what the tests use), False to compile for the TPU."""
+  return interpret if isinstance(interpret, pltpu.InterpretParams) else bool(interpret)
 
 
 def compiler_params(dimension_semantics: tuple[str, ...], interpret: bool) -> pltpu.CompilerParams:

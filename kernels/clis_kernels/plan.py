@@ -93,6 +93,9 @@ class Entry:
     """None when this entry can run the call, else why not, phrased to follow its name. automatic:
     also ask the kernel module's `supports(dtype, head_dim)` (a named entry's kernel raises its own
     error for inputs it does not take)."""
+    if not isinstance(call.interpret, bool) and self.name != "pallas_tpu":
+      return (f"takes interpret=True or False; got {type(call.interpret).__name__} (a pltpu.InterpretParams is for "
+              "implementation='pallas_tpu')")
     if call.interpret and not self.interpretable:
       return "has no interpret mode; use implementation='pallas_gpu' with interpret=True to run the GPU kernels " \
              "on a CPU"
@@ -174,7 +177,7 @@ class Call:
   head_dim: int
   window_or_cap: bool = False
   skipping: bool = False
-  interpret: bool = False
+  interpret: Any = False  # bool, or a pltpu.InterpretParams (pallas_tpu only)
 
 
 def choose(implementation: str | None, call: Call, platform: Platform) -> Entry:
@@ -204,7 +207,7 @@ class Plan:
   head_dim: int  # what the kernels run at (the API zero-pads up to it)
   multiple: int  # sequence lengths are padded to a multiple of this
   tile: int  # query rows per certificate tile
-  interpret: bool
+  interpret: Any  # bool, or pallas_tpu's pltpu.InterpretParams
 
   @property
   def backend(self) -> Backend:
@@ -250,10 +253,12 @@ def make_plan(*, dtype, head_dim: int, seq_len: int, stabilizer: str = "clis", b
               granularity: str = "tile", separate_ids: bool = False, window_or_cap: bool = False,
               skipping: bool = False, window_keys: int | None = None, implementation: str | None = None,
               block_sizes=None,
-              backward_block_sizes=None, interpret: bool = False, platform: Platform | None = None) -> Plan:
+              backward_block_sizes=None, interpret=False, platform: Platform | None = None) -> Plan:
   """The plan for one call. seq_len: the longer of the query and key lengths (tile heuristics and
   the length rules); window_keys: keys a row sees under a local window (left + right + 1), or None; bound None:
   `automatic_bound`, which reads causal and packed (segment ids given)."""
+  from jax.experimental.pallas import tpu as pltpu
+  interpret = interpret if isinstance(interpret, pltpu.InterpretParams) else bool(interpret)
   platform = Platform.detect() if platform is None else platform
   call = Call(jnp.dtype(dtype), head_dim, window_or_cap, skipping, interpret)
   entry = choose(implementation, call, platform)
@@ -279,5 +284,4 @@ def make_plan(*, dtype, head_dim: int, seq_len: int, stabilizer: str = "clis", b
                             window_or_cap=window_or_cap)
   mode = mode_of(stabilizer, bound=bound, granularity=granularity, separate_ids=separate_ids, entry=entry)
   multiple = max(block_sizes.multiple, backward_block_sizes.multiple)
-  return Plan(entry, mode, block_sizes, backward_block_sizes, padded_head, multiple, block_sizes.tile,
-              bool(interpret))
+  return Plan(entry, mode, block_sizes, backward_block_sizes, padded_head, multiple, block_sizes.tile, interpret)
