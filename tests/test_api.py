@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 
 from clis_kernels import reference_f64 as ref
@@ -65,12 +66,27 @@ def test_cpu_default_is_the_reference_and_matches_xla():
 @pytest.mark.parametrize("hopper,dtype,head_dim,window_or_cap,want", [
     (True, jnp.bfloat16, 128, False, "pallas_mgpu"), (True, jnp.float16, 64, False, "pallas_mgpu"),
     (True, jnp.float32, 128, False, "pallas_gpu"), (True, jnp.bfloat16, 96, False, "pallas_mgpu"),
-    (True, jnp.bfloat16, 256, False, "pallas_gpu"), (True, jnp.bfloat16, 128, True, "pallas_mgpu"),
-    (False, jnp.bfloat16, 128, False, "pallas_gpu")])
+    (True, jnp.bfloat16, 256, False, "pallas_mgpu_triton_bwd"), (True, jnp.bfloat16, 192, True,
+                                                                  "pallas_mgpu_triton_bwd"),
+    (True, jnp.bfloat16, 320, False, "pallas_gpu"), (True, jnp.bfloat16, 128, True, "pallas_mgpu"),
+    (False, jnp.bfloat16, 128, False, "pallas_gpu"), (False, jnp.bfloat16, 256, False, "pallas_gpu")])
 def test_gpu_default_is_the_mosaic_backend_on_hopper_where_it_applies(hopper, dtype, head_dim, window_or_cap, want):
-  """Head dims up to 128 are padded to the Mosaic kernels' 64/128 (local windows and soft caps included)."""
+  """Head dims up to 128 are padded to the Mosaic kernels' 64/128 (local windows and soft caps included); above
+  128, up to 256, the Mosaic GPU forward runs with the Triton backward."""
   call = plan.Call(jnp.dtype(dtype), head_dim, window_or_cap)
   assert plan.choose(None, call, plan.Platform("gpu", hopper=hopper)).name == want
+
+
+def test_wide_heads_on_hopper_certify_with_a_pre_pass_and_refuse_the_mosaic_backward():
+  """Above head dim 128 the in-kernel certificate's scratch does not fit (pallas_mgpu.KEYS_MAX_HEAD_DIM): the radius
+  bound runs as an XLA pre-pass; naming pallas_mgpu (whose backward stops at 128) says what to use instead."""
+  p = plan.make_plan(dtype=jnp.bfloat16, head_dim=256, seq_len=32768, bound="radius", platform=plan.HOPPER)
+  assert p.entry.name == "pallas_mgpu_triton_bwd" and p.mode is plan.Mode.CERTIFICATE
+  p = plan.make_plan(dtype=jnp.bfloat16, head_dim=256, seq_len=32768, platform=plan.HOPPER)
+  assert p.mode is plan.Mode.BLOCKS and p.block_sizes.block_kv == 64
+  assert plan.make_plan(dtype=jnp.bfloat16, head_dim=256, seq_len=8192, platform=plan.HOPPER).mode is plan.Mode.ONLINE
+  with pytest.raises(ValueError, match="takes head dims up to 128.*pallas_mgpu_triton_bwd"):
+    plan.make_plan(dtype=jnp.bfloat16, head_dim=256, seq_len=1024, implementation="pallas_mgpu", platform=plan.HOPPER)
 
 
 @pytest.mark.parametrize("seq_len,implementation,bound,want", [
@@ -169,8 +185,9 @@ SMALL_TILES = {
 }
 
 
-# JAX's GPU interpret mode cannot run kernels under check_vma (its grid loop drops the
-# varying-axis types), so the Triton kernels are checked with check_vma=False here.
+# Pallas's plain interpreter cannot run kernels under check_vma (its grid loop drops the varying-axis types), so the
+# Triton kernels are checked with check_vma=False here and the TPU kernels under the TPU interpreter
+# (pltpu.InterpretParams), which keeps them.
 @pytest.mark.parametrize("implementation,check_vma", [("reference", True), ("pallas_tpu", True),
                                                       ("pallas_gpu", False)])
 def test_shard_map_over_batch_and_heads(implementation, check_vma):
@@ -182,7 +199,8 @@ def test_shard_map_over_batch_and_heads(implementation, check_vma):
   @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P("data", None, "tensor"),) * 3 + (P("data"),),
                      out_specs=P("data", None, "tensor"), check_vma=check_vma)
   def sharded(q, k, v, seg):
-    return attention(q, k, v, seg, implementation=implementation, interpret=implementation != "reference",
+    interpret = {"reference": False, "pallas_tpu": pltpu.InterpretParams()}.get(implementation, True)
+    return attention(q, k, v, seg, implementation=implementation, interpret=interpret,
                      block_sizes=SMALL_TILES[implementation])
 
   out, vjp = jax.vjp(jax.jit(sharded), q, k, v, seg)

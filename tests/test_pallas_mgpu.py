@@ -204,7 +204,8 @@ def test_mosaic_backward_block_sizes_are_validated():
 
 @pytest.mark.parametrize("kwargs,message", [
     (dict(dtype=jnp.float32), "needs bfloat16 or float16"),
-    (dict(d=256), "head_dim=256 must be at most 128"),
+    (dict(d=256), "takes head dims up to 128; got head_dim=256"),
+    (dict(d=320), "takes head dims up to 128; got head_dim=320"),
     (dict(interpret=True), "has no interpret mode"),
     (dict(scale=-1.0), "must be positive"),
 ])
@@ -282,6 +283,79 @@ def test_mosaic_backward_matches_float64_on_gpu(case):
     assert max(errors[label]) < TOLERANCE[jnp.bfloat16][1], (label, errors)
     for mosaic, triton in zip(errors[label], errors["triton"]):
       assert mosaic <= CLIS_VS_ONLINE * triton, (label, errors)
+
+
+@pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
+@pytest.mark.parametrize("d,dv,kw", [(256, 256, {}), (256, 256, dict(logits_soft_cap=50.0, local_window_size=100)),
+                                     (192, 128, {})], ids=["d256", "d256_cap_window", "mla_192_128"])
+@pytest.mark.parametrize("bound", ["blocks", "radius"])
+def test_wide_heads_lower_as_the_mosaic_forward_and_the_triton_backward(d, dv, kw, bound):
+  """Head dims above 128 (Gemma's 256, MLA's 192 with v 128, padded to 256) on Hopper by default: one Mosaic GPU
+  forward at 64-key blocks taking a pre-pass's certificate, and the Triton backward."""
+  q = jax.ShapeDtypeStruct((1, 1000, 8, d), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, 1000, 4, d), jnp.bfloat16)
+  v = jax.ShapeDtypeStruct((1, 1000, 4, dv), jnp.bfloat16)
+
+  def loss(q, k, v):
+    return attention(q, k, v, causal=True, bound=bound, platform=HOPPER, **kw).astype(jnp.float32).sum()
+
+  text = lower_for_h200(jax.grad(loss, argnums=(0, 1, 2)), q, k, v)
+  assert text.count("custom_call @mosaic_gpu") == 1 and text.count("clis_bwd") >= 2
+
+
+def test_wide_heads_give_clear_errors():
+  q = jnp.zeros((1, 128, 2, 256), jnp.bfloat16)
+  lse = jnp.zeros((1, 2, 128), jnp.float32)
+  with pytest.raises(ValueError, match="block_kv=128 must be at most 64 at head_dim=256"):
+    pallas_mgpu.forward(q, q, q, None, None, mode=plan.Mode.ONLINE, causal=True, scale=0.1, kv_len=128,
+                        block_sizes=pallas_mgpu.BlockSizes(block_kv=128))
+  with pytest.raises(ValueError, match="head_dim=256 must be at most 128 for the Mosaic GPU backward"):
+    pallas_mgpu_vjp.backward(q, q, q, None, q, lse, q, causal=True, scale=0.1, kv_len=128,
+                             block_sizes=pallas_mgpu_vjp.BlockSizes())
+
+
+# name, seq, q heads, kv heads, q·k head dim, v head dim, causal, packed, attention keywords
+WIDE_CASES = [
+    ("causal_gqa2_d256_odd", 1000, 8, 4, 256, 256, True, False, {}),
+    ("bidir_packed_d256", 1024, 4, 4, 256, 256, False, True, {}),
+    ("gemma2_cap50_window512_d256", 2048, 8, 4, 256, 256, True, False, dict(logits_soft_cap=50.0,
+                                                                             local_window_size=512)),
+    ("mla_d192_v128", 1024, 8, 8, 192, 128, True, False, {}),
+]
+
+
+@needs_gpu
+@pytest.mark.parametrize("case", WIDE_CASES, ids=[c[0] for c in WIDE_CASES])
+def test_wide_heads_match_float64_on_gpu(case):
+  """Head dims above 128 through the Mosaic GPU forward (64-key blocks, a pre-pass's certificate: the block bound
+  and the radius bound) and the Triton backward, against float64, as accurate as the all-Triton path."""
+  name, seq, hq, hkv, d, dv, causal, packed, kw = case
+  q, k, v, do = random_inputs(len(name), 1, seq, hq, hkv, d, jnp.bfloat16)
+  v, do = v[..., :dv], do[..., :dv]
+  if "logits_soft_cap" in kw:
+    q, k = q * 4.0, k * 4.0
+  seg = packed_segments(len(name), 1, seq) if packed else None
+  window = masks.as_window(kw.get("local_window_size"), causal=causal)
+  want = ref.attention(q, k, v, do, seg, causal=causal, window=window, softcap=kw.get("logits_soft_cap"))
+  errors = {}
+  for label, implementation, extra in [("blocks", "pallas_mgpu_triton_bwd", dict(bound="blocks")),
+                                       ("radius", "pallas_mgpu_triton_bwd", dict(bound="radius")),
+                                       ("online", "pallas_mgpu_triton_bwd", dict(stabilizer="online")),
+                                       ("triton", "pallas_gpu", {})]:
+    run = lambda q, k, v: attention(q, k, v, seg, causal=causal, implementation=implementation, return_stats=True,
+                                    **extra, **kw)
+    (out, stats), vjp = jax.vjp(run, q, k, v)
+    got = (out, *vjp((do, jax.tree.map(jnp.zeros_like, stats))))
+    assert all(bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in got), label
+    errors[label] = [ref.rel_err(g, w) for g, w in zip(got, want)]
+    assert errors[label][0] < TOLERANCE[jnp.bfloat16][0] and max(errors[label][1:]) < TOLERANCE[jnp.bfloat16][1], (
+        label, errors)
+    if label == "blocks":
+      assert float(stats.certified_fraction) == 1.0, (label, float(stats.certified_fraction))
+  for label in ("blocks", "radius"):
+    for i in range(4):
+      assert errors[label][i] <= CLIS_VS_ONLINE * errors["online"][i], (label, errors)
+  assert errors["online"][0] <= CLIS_VS_ONLINE * errors["triton"][0], errors
 
 
 # name, seq, q heads, kv heads, head dim, causal, packed, attention keywords

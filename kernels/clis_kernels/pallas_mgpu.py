@@ -47,7 +47,11 @@ from clis_kernels.common import int32_loop, out_struct
 from clis_kernels.plan import Mode, stabilizer_inputs
 from clis_kernels.stabilizer import EMPTY_LSE, LOG2E, Certificate, KeyBounds, row_bounds, stabilize
 
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
+# Head dims whose CTA fits the in-kernel certificate's scratch (Mode.KEYS): at 256 the Q, K and V slots alone take
+# 192 KiB of shared memory at block_kv 64, so the plan certifies there with an XLA pre-pass (a Certificate).
+KEYS_MAX_HEAD_DIM = 128
+WIDE_HEAD_BLOCK_KV = 64  # block_kv above head dim 128: two 128-key slots of K and V overflow shared memory
 DTYPES = (jnp.bfloat16, jnp.float16)
 FAILED_TILE_M = 1e30  # M sent for rows of a tile the XLA certificate failed (real M are far smaller)
 ONLINE_FLOOR = -1e20  # the online loop's starting max (base 2): below any real logit
@@ -125,10 +129,10 @@ class BlockSizes:
 
 
 def default_block_sizes(head_dim: int, seq_len: int, dtype) -> BlockSizes:
-  """One shape for both supported head dims: block_kv 128, 2 slots, ping-pong on were the fastest
-  for both loops in the H200 sweeps (notes/kernels.md; figures in BENCHMARKS.md)."""
-  del head_dim, seq_len, dtype
-  return BlockSizes()
+  """block_kv 128, 2 slots, ping-pong on were the fastest for both loops at head dims 64 and 128 in the H200
+  sweeps (notes/kernels.md; figures in BENCHMARKS.md); above 128, 64-key blocks (WIDE_HEAD_BLOCK_KV)."""
+  del seq_len, dtype
+  return BlockSizes(block_kv=WIDE_HEAD_BLOCK_KV) if padded_head_dim(head_dim) > 128 else BlockSizes()
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -142,7 +146,7 @@ def supports(dtype, head_dim: int) -> bool:
   return dtype in DTYPES and padded_head_dim(head_dim) in HEAD_DIMS
 
 
-def _check(q, k, cert, scale, interpret):
+def _check(q, k, keys, cert, scale, interpret, block_kv):
   if interpret:
     raise ValueError("implementation='pallas_mgpu' has no interpret mode; use implementation='pallas_gpu' "
                      "with interpret=True to run the GPU kernels on a CPU")
@@ -152,6 +156,12 @@ def _check(q, k, cert, scale, interpret):
   if q.shape[-1] not in HEAD_DIMS:
     raise ValueError(f"head_dim={q.shape[-1]} must be at most {HEAD_DIMS[-1]} for implementation='pallas_mgpu' "
                      f"(smaller ones are padded to one of {HEAD_DIMS}); use implementation='pallas_gpu'")
+  if q.shape[-1] > 128 and block_kv > WIDE_HEAD_BLOCK_KV:
+    raise ValueError(f"{block_kv=} must be at most {WIDE_HEAD_BLOCK_KV} at head_dim={q.shape[-1]} for "
+                     "implementation='pallas_mgpu' (K and V slots overflow shared memory)")
+  if keys is not None and q.shape[-1] > KEYS_MAX_HEAD_DIM:
+    raise ValueError(f"head_dim={q.shape[-1]} takes no in-kernel certificate (Mode.KEYS, up to "
+                     f"{KEYS_MAX_HEAD_DIM}) in implementation='pallas_mgpu': certify with a pre-pass (bound='blocks')")
   if not scale > 0:
     raise ValueError(f"{scale=} must be positive for implementation='pallas_mgpu'")
   if cert is not None and cert.certified.shape[-1] * 64 != q.shape[1]:
@@ -835,7 +845,7 @@ def first_kv_blocks(segment_ids, *, cta_rows: int, block_kv: int):
 def _launch(q, k, v, segment_ids, stab, *, mode: Mode, causal, scale, kv_len, block_sizes: BlockSizes, interpret,
             visit=None, track: bool = False, window=None, softcap=None):
   keys, cert = stabilizer_inputs(stab, mode)
-  _check(q, k, cert, scale, interpret)
+  _check(q, k, keys, cert, scale, interpret, block_sizes.block_kv)
   batch, seq, num_heads, _ = q.shape
   bs = block_sizes
   if seq % bs.multiple or k.shape[1] % bs.multiple:

@@ -498,6 +498,7 @@ def _dkv_scratch(dtype, head_dim: int, slots: int, has_segments: bool, fused_dq:
 
 
 FUSED_MAX_HEAD_DIM = 64
+MAX_HEAD_DIM = 128
 
 
 def default_block_sizes(head_dim: int, seq_len: int, dtype) -> BlockSizes:
@@ -532,6 +533,10 @@ class Launches:
     kv_seq, num_kv_heads = k.shape[1:3]  # kv_seq may differ from seq (cross-attention)
     if seq % block_sizes.multiple or kv_seq % block_sizes.multiple:
       raise ValueError(f"{block_sizes.multiple=} must divide the padded lengths {seq=} and {kv_seq=}")
+    if q.shape[-1] > MAX_HEAD_DIM:
+      raise ValueError(f"head_dim={q.shape[-1]} must be at most {MAX_HEAD_DIM} for the Mosaic GPU backward (dK and "
+                       "dV's f32 accumulators outgrow a warpgroup's registers); use implementation="
+                       "'pallas_mgpu_triton_bwd' (the Mosaic GPU forward, the Triton backward), the default there")
     if block_sizes.split_dq and q.shape[-1] != 128:
       raise ValueError(f"split_dq=True needs head_dim 128 (halves of 64 columns, one swizzle tile); got "
                        f"head_dim={q.shape[-1]}: use BlockSizes(fused_dq=True) without split_dq")

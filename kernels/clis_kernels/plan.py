@@ -88,6 +88,8 @@ class Entry:
   certify_from: int = 0  # implementation=None: shorter sequences run online (certifying cannot pay there)
   certify_window_from: int = 0  # implementation=None: narrower local windows (keys per row) run online too
   blocks_from: int | None = None  # bound=None: the block bound from this many keys on (its kernel pays), else radius
+  max_head_dim: int | None = None  # the largest (unpadded) head dim its kernels take, None: the forward's `supports`
+  keys_max_head_dim: int | None = None  # Mode.KEYS (certifies_in_kernel) only up to this head dim; above, a pre-pass
 
   def supports(self, call: Call, platform: Platform, *, automatic: bool = False) -> str | None:
     """None when this entry can run the call, else why not, phrased to follow its name. automatic:
@@ -104,6 +106,10 @@ class Entry:
               "interpret=True to run it in Pallas interpret mode, or implementation='reference'")
     if self.hopper_only and not call.interpret and not platform.hopper:
       return "needs an NVIDIA Hopper GPU (H100, H200); use implementation='pallas_gpu'"
+    if self.max_head_dim is not None and call.head_dim > self.max_head_dim:
+      return (f"takes head dims up to {self.max_head_dim}; got head_dim={call.head_dim}: use "
+              "implementation='pallas_mgpu_triton_bwd' on Hopper (the Mosaic GPU forward, the Triton backward) or "
+              "'pallas_gpu'")
     if call.skipping and self.skip is None:
       return ("has no temporal-skipping forward (kernels/clis_kernels/diffusion); use 'pallas_mgpu', 'pallas_gpu', 'pallas_tpu' "
               "or 'reference'")
@@ -152,12 +158,12 @@ BLOCKS_FROM_TPU = 0
 
 REGISTRY: tuple[Entry, ...] = (
     Entry("pallas_mgpu", 30, ("gpu",), "pallas_mgpu", "pallas_mgpu_vjp", True, interpretable=False,
-          hopper_only=True, backward_tiles="pallas_mgpu_vjp", row_bounds="pallas_gpu_bounds",
+          hopper_only=True, backward_tiles="pallas_mgpu_vjp", row_bounds="pallas_gpu_bounds", max_head_dim=128,
           certify_from=CERTIFY_FROM_MGPU, certify_window_from=CERTIFY_WINDOW_FROM_MGPU, blocks_from=BLOCKS_FROM_MGPU,
           skip="diffusion.pallas_mgpu_skip"),
     Entry("pallas_mgpu_triton_bwd", 25, ("gpu",), "pallas_mgpu", "pallas_gpu_vjp", True, interpretable=False,
-          hopper_only=True, automatic=False, backward_tiles="pallas_gpu",
-          row_bounds="pallas_gpu_bounds", blocks_from=BLOCKS_FROM_MGPU),
+          hopper_only=True, backward_tiles="pallas_gpu", row_bounds="pallas_gpu_bounds", keys_max_head_dim=128,
+          certify_from=CERTIFY_FROM_MGPU, certify_window_from=CERTIFY_WINDOW_FROM_MGPU, blocks_from=BLOCKS_FROM_MGPU),
     Entry("pallas_gpu", 20, ("gpu",), "pallas_gpu", "pallas_gpu_vjp", True, skip="diffusion.pallas_gpu_skip",
           row_bounds="pallas_gpu_bounds"),
     Entry("pallas_tpu", 20, ("tpu",), "pallas_tpu", "pallas_tpu_vjp", False, skip="diffusion.pallas_tpu_skip",
@@ -226,14 +232,16 @@ class Plan:
     return functools.partial(module.row_bounds, interpret=self.interpret)
 
 
-def mode_of(stabilizer: str, *, bound: str, granularity: str, separate_ids: bool, entry: Entry) -> Mode:
+def mode_of(stabilizer: str, *, bound: str, granularity: str, separate_ids: bool, entry: Entry,
+            head_dim: int = 0) -> Mode:
   """Online; the block bound's pre-pass; the kernel's own certificate (radius bound, per tile,
-  one segment_ids array); else the XLA certificate."""
+  one segment_ids array, a head dim its scratch fits); else the XLA certificate."""
   if stabilizer == "online":
     return Mode.ONLINE
   if bound == "blocks":
     return Mode.BLOCKS
-  if granularity == "head" or separate_ids or not entry.certifies_in_kernel:
+  in_kernel = entry.certifies_in_kernel and (entry.keys_max_head_dim is None or head_dim <= entry.keys_max_head_dim)
+  if granularity == "head" or separate_ids or not in_kernel:
     return Mode.CERTIFICATE
   return Mode.KEYS
 
@@ -282,6 +290,7 @@ def make_plan(*, dtype, head_dim: int, seq_len: int, stabilizer: str = "clis", b
   if bound is None:
     bound = automatic_bound(entry, seq_len=seq_len, causal=causal, packed=packed, separate_ids=separate_ids,
                             window_or_cap=window_or_cap)
-  mode = mode_of(stabilizer, bound=bound, granularity=granularity, separate_ids=separate_ids, entry=entry)
+  mode = mode_of(stabilizer, bound=bound, granularity=granularity, separate_ids=separate_ids, entry=entry,
+                 head_dim=padded_head)
   multiple = max(block_sizes.multiple, backward_block_sizes.multiple)
   return Plan(entry, mode, block_sizes, backward_block_sizes, padded_head, multiple, block_sizes.tile, interpret)
