@@ -1,9 +1,8 @@
 """Test setup: 8 simulated CPU devices (for shard_map tests) and XLA's CPU backend at optimisation level 0, set
 before JAX is imported; and the fast path: what `scripts/test.sh --fast` (pytest -m "not slow") leaves out, listed
 in one place. The tests' programs are small and compiled once each, so compiling is most of their time: with level 0
-and scripts/test.sh's compilation cache the fast path took 311 s against 467 s with the cache alone; the whole suite
-35 min 02 s against 33 min 59 s without either (the interpreted TPU kernels run slower unoptimised; BENCHMARKS.md §7).
-Subprocesses (scripts, fault children) inherit both flags."""
+and scripts/test.sh's compilation cache the fast path took 311 s against 467 s with the cache alone (BENCHMARKS.md
+§7). Subprocesses (scripts, fault children) inherit both flags."""
 
 import os
 

@@ -34,7 +34,7 @@ from clis_kernels import api, masks
 from clis_kernels import plan as plan_lib
 from clis_kernels import stabilizer as certificate
 from clis_kernels.api import AttentionStats, check_inputs
-from clis_kernels.common import varying_like
+from clis_kernels.common import dot_precision, varying_like
 from clis_kernels.stabilizer import EMPTY_LSE, LOG2E, NEG
 
 STRATEGIES = ("ring", "all_gather")
@@ -194,8 +194,8 @@ def _global_certificate(static, q, k, v, ids):
   gather = lambda x: jax.lax.all_gather(jnp.stack(x), static.axis_name)  # [n, 2, ...]
   centres = gather([b.centres for b in local])  # [n, 2, B, nb, Hkv, D]
   radii = gather([b.radii for b in local])  # [n, 2, B, Hkv, nb]
-  exceptional = gather([jnp.take_along_axis(kc.astype(jnp.float32), b.exceptional.transpose(0, 2, 1)[..., None],
-                                            axis=1) for kc, b in zip(ks, local)])  # [n, 2, B, E, Hkv, D]
+  exceptional = gather([jnp.take_along_axis(kc, b.exceptional.transpose(0, 2, 1)[..., None], axis=1)
+                        for kc, b in zip(ks, local)])  # [n, 2, B, E, Hkv, D]
   is_exceptional = gather([b.is_exceptional for b in local])  # [n, 2, B, Hkv, E]
   e_ids = None if ids is None else gather([jnp.take_along_axis(ic[:, None, :], b.exceptional, axis=2)
                                            for ic, b in zip(idss, local)])  # [n, 2, B, Hkv, E]
@@ -210,6 +210,7 @@ def _global_certificate(static, q, k, v, ids):
   is_exceptional = jnp.moveaxis(is_exceptional, 3, 1).reshape(q.shape[0], -1, 2 * n * e)  # [B, Hkv, 2n·E]
   if e_ids is not None:
     e_ids = jnp.moveaxis(jnp.moveaxis(e_ids, 2, 0), 3, 1).reshape(is_exceptional.shape)
+  centres, radii = certificate.rounded_centres(centres, radii, q.dtype)  # far products on the matrix units
 
   vmax = jnp.where(masks.key_is_real(masks.segment_ids_of(ids), k.shape[1], k.shape[1])[..., None, None],
                    jnp.abs(v.astype(jnp.float32)), 0.0).max(axis=(1, 3))
@@ -243,18 +244,21 @@ def _global_certificate(static, q, k, v, ids):
 
 def _far_bounds(q, q_ids, centres, radii, keys, far_keys, key_ids, sigma2):
   """Base-2 (U, L) [B, Hq, c] of rows q [B, c, Hq, D] over one other chunk they see wholly: U is the block bound
-  over its blocks (centres [B, nb, Hkv, D], radii [B, Hkv, nb]) and its exceptional keys scored exactly (keys
-  [B, E, Hkv, D], far_keys [B, Hkv, E]: which slots hold one); L the exceptional keys the row sees (its segment,
+  over its blocks (centres [B, nb, Hkv, D] in q's dtype, radii [B, Hkv, nb] widened for that rounding:
+  stabilizer.rounded_centres) and its exceptional keys scored as the kernels score them (keys [B, E, Hkv, D] in k's
+  dtype, far_keys [B, Hkv, E]: which slots hold one); L the exceptional keys the row sees (its segment,
   q_ids [B, c] against key_ids [B, Hkv, E]; None: unpacked), each a visible logit; NEG where none."""
   b, c, hq, d = q.shape
   hkv = centres.shape[2]
-  qg = jax.lax.stop_gradient(q).astype(jnp.float32).reshape(b, c, hkv, hq // hkv, d)
-  norm = jnp.linalg.norm(qg, axis=-1)
+  qg = jax.lax.stop_gradient(q).reshape(b, c, hkv, hq // hkv, d)
+  norm = jnp.linalg.norm(qg.astype(jnp.float32), axis=-1)
   ids = jnp.zeros((b, c), jnp.int32) if q_ids is None else q_ids
 
   def rows(chunk):  # a chunk of rows at a time: [rows, NB] stays small at long lengths
     q_rows, norm_rows, id_rows = chunk
-    dot = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)  # f32 products: U stays an upper bound
+    # q's dtype on the matrix units, f32 sums (the centres were rounded and their radii widened to match); true f32
+    # products for f32 inputs
+    dot = functools.partial(jnp.einsum, precision=dot_precision(q.dtype), preferred_element_type=jnp.float32)
     per_block = dot("bihgd,buhd->bihgu", q_rows, centres) + norm_rows[..., None] * radii[:, None, :, None]
     per_block = per_block.max(-1)
     scored = dot("bihgd,behd->bihge", q_rows, keys)

@@ -27,9 +27,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from clis_kernels import masks
 from clis_kernels.common import dot_precision, out_struct
-from clis_kernels.stabilizer import LOG2E, NEG, BlockBounds
-
-ACCUMULATION = 2.0 ** -16  # relative error of an f32-accumulated dot over D <= 256 products
+from clis_kernels.stabilizer import LOG2E, NEG, BlockBounds, rounded_centres
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,10 +122,7 @@ def row_bounds(q, k, segment_ids, bounds: BlockBounds, *, causal: bool, scale: f
   group = num_heads // hkv
   nq, nb = seq // block_q, bounds.centres.shape[1]
   padded_nb = pl.cdiv(nb, chunk) * chunk
-  rounded = bounds.centres.astype(q.dtype)
-  widen = (jnp.linalg.norm(bounds.centres - rounded.astype(jnp.float32), axis=-1)
-           + ACCUMULATION * jnp.linalg.norm(rounded.astype(jnp.float32), axis=-1))  # [B, nb, Hkv]
-  radii = bounds.radii + widen.transpose(0, 2, 1)
+  rounded, radii = rounded_centres(bounds.centres, bounds.radii, q.dtype)
   centres = jnp.pad(rounded, ((0, 0), (0, padded_nb - nb), (0, 0), (0, 0)))
   radii = jnp.pad(radii, ((0, 0), (0, 0), (0, padded_nb - nb)))
   positions = bounds.exceptional  # [B, Hkv, E]

@@ -455,6 +455,19 @@ def block_bounds(k, segment_ids, *, block: int, seq_len: int, budget: int = 32) 
                      exceptional=where.astype(jnp.int32), is_exceptional=is_exceptional)
 
 
+ACCUMULATION = 2.0 ** -16  # relative error of an f32-accumulated dot over D <= 256 products (D·2^-24)
+
+
+def rounded_centres(centres, radii, dtype):
+  """Centres rounded to the queries' dtype, so q·c runs on the matrix units (exact products, f32 sums), and radii
+  widened to stay sound: q·c ≤ q·ĉ + ‖q‖·‖c − ĉ‖ (Cauchy–Schwarz), and the f32 sum of D products is within
+  ACCUMULATION·‖q‖·‖ĉ‖ of the exact one. centres [B, nb, Hkv, D] f32, radii [B, Hkv, nb] → (ĉ in dtype, radii)."""
+  rounded = centres.astype(dtype)
+  r32 = rounded.astype(jnp.float32)
+  widen = jnp.linalg.norm(centres - r32, axis=-1) + ACCUMULATION * jnp.linalg.norm(r32, axis=-1)  # [B, nb, Hkv]
+  return rounded, radii + widen.transpose(0, 2, 1)
+
+
 def block_row_bounds(q, k, segment_ids, bounds: BlockBounds, *, causal: bool, scale: float, block: int,
                      kv_len: int | None = None, window=None, separate_ids: bool = False, cap2: float | None = None,
                      own_block: int | None = None):
