@@ -84,6 +84,9 @@ def test_wide_heads_on_hopper_certify_with_a_pre_pass_and_refuse_the_mosaic_back
   assert p.entry.name == "pallas_mgpu_triton_bwd" and p.mode is plan.Mode.CERTIFICATE
   p = plan.make_plan(dtype=jnp.bfloat16, head_dim=256, seq_len=32768, platform=plan.HOPPER)
   assert p.mode is plan.Mode.BLOCKS and p.block_sizes.block_kv == 64
+  assert (p.backward_block_sizes.block_q_dkv, p.backward_block_sizes.num_warps_bwd) == (64, 8)  # Hopper's Triton tiles
+  other = plan.make_plan(dtype=jnp.bfloat16, head_dim=256, seq_len=32768, platform=plan.Platform("gpu"))
+  assert other.entry.name == "pallas_gpu" and other.backward_block_sizes.block_q_dkv == 32
   assert plan.make_plan(dtype=jnp.bfloat16, head_dim=256, seq_len=8192, platform=plan.HOPPER).mode is plan.Mode.ONLINE
   with pytest.raises(ValueError, match="takes head dims up to 128.*pallas_mgpu_triton_bwd"):
     plan.make_plan(dtype=jnp.bfloat16, head_dim=256, seq_len=1024, implementation="pallas_mgpu", platform=plan.HOPPER)

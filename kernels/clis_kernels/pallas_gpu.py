@@ -103,6 +103,19 @@ def default_block_sizes(head_dim: int, seq_len: int, dtype) -> BlockSizes:
   return BlockSizes(fit(64), fit(32), fit(32), 8, 2, **bwd(32, 4, 1))
 
 
+def hopper_block_sizes(head_dim: int, seq_len: int, dtype) -> BlockSizes:
+  """`default_block_sizes` for the Triton backward behind the Mosaic GPU forward (Hopper only): above head dim 128,
+  64-row and 64-key backward tiles in 8 warps, one stage (H200, D 256, causal 8k GQA 16/8: forward+backward 1.24x
+  the 32-row tiles, the same gradients; notes/experiments/triton_bwd_d256.py, BENCHMARKS.md §1). Other GPUs keep the
+  smaller tiles (less shared memory)."""
+  tiles = default_block_sizes(head_dim, seq_len, dtype)
+  if head_dim <= 128 or jnp.dtype(dtype).itemsize > 2:
+    return tiles
+  fit = lambda b: min(b, max(16, 1 << (max(seq_len, 1) - 1).bit_length()))
+  return dataclasses.replace(tiles, block_q_dq=fit(64), block_k_dq=fit(64), block_q_dkv=fit(64), block_k_dkv=fit(64),
+                             num_warps_bwd=8, num_stages_bwd=1)
+
+
 def certify_tile(q, centre, radius, headroom, threshold, k_diag, row_real, *, sigma2: float, cap2=None):
   """(M [block_q], certified) of one q tile, from its rows and the K/V pre-pass (stabilizer.py).
 

@@ -83,7 +83,7 @@ class Entry:
   hopper_only: bool = False
   skip: str | None = None  # the temporal-skipping forward (kernels/clis_kernels/diffusion), if it has one
   automatic: bool = True  # may implementation=None pick it
-  backward_tiles: str | None = None  # module with the backward's BlockSizes (None: the forward's)
+  backward_tiles: str | None = None  # 'module' or 'module:heuristic' with the backward's BlockSizes (None: the forward's)
   row_bounds: str | None = None  # module of the block bound's (U, L) kernel (Mode.BLOCKS), None: XLA
   certify_from: int = 0  # implementation=None: shorter sequences run online (certifying cannot pay there)
   certify_window_from: int = 0  # implementation=None: narrower local windows (keys per row) run online too
@@ -119,9 +119,10 @@ class Entry:
     return None
 
   def load(self) -> Backend:
-    fwd, bwd = _module(self.forward), _module(self.backward_tiles or self.forward)
+    tiles = self.backward_tiles or self.forward
+    fwd, bwd = _module(self.forward), _module(tiles)
     return Backend(_function(self.forward, "forward"), _function(self.backward, "backward"), fwd.BlockSizes,
-                   fwd.default_block_sizes, bwd.BlockSizes, bwd.default_block_sizes,
+                   fwd.default_block_sizes, bwd.BlockSizes, _function(tiles, "default_block_sizes"),
                    getattr(fwd, "padded_head_dim", lambda d: d),
                    None if self.skip is None else _function(self.skip, "forward"),
                    None if self.row_bounds is None else _module(self.row_bounds))
@@ -162,7 +163,8 @@ REGISTRY: tuple[Entry, ...] = (
           certify_from=CERTIFY_FROM_MGPU, certify_window_from=CERTIFY_WINDOW_FROM_MGPU, blocks_from=BLOCKS_FROM_MGPU,
           skip="diffusion.pallas_mgpu_skip"),
     Entry("pallas_mgpu_triton_bwd", 25, ("gpu",), "pallas_mgpu", "pallas_gpu_vjp", True, interpretable=False,
-          hopper_only=True, backward_tiles="pallas_gpu", row_bounds="pallas_gpu_bounds", keys_max_head_dim=128,
+          hopper_only=True, backward_tiles="pallas_gpu:hopper_block_sizes", row_bounds="pallas_gpu_bounds",
+          keys_max_head_dim=128,
           certify_from=CERTIFY_FROM_MGPU, certify_window_from=CERTIFY_WINDOW_FROM_MGPU, blocks_from=BLOCKS_FROM_MGPU),
     Entry("pallas_gpu", 20, ("gpu",), "pallas_gpu", "pallas_gpu_vjp", True, skip="diffusion.pallas_gpu_skip",
           row_bounds="pallas_gpu_bounds"),
