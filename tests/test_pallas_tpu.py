@@ -10,7 +10,7 @@ from clis_kernels.plan import Platform
 
 
 class TestPallasTpu(AttentionTests):
-  """interpret=True: Pallas's plain interpreter (the grid as XLA loops), 3-4x faster here than the TPU interpreter
+  """interpret=True: Pallas's plain interpreter (the grid as XLA loops), ~5x faster here than the TPU interpreter
   that simulates VMEM, SMEM and DMAs; test_the_simulating_interpreter_gives_the_same_bits runs that one."""
 
   implementation = "pallas_tpu"
