@@ -88,10 +88,14 @@ def padded_head_dim(head_dim: int) -> int:
   return max(16, 1 << (head_dim - 1).bit_length())
 
 
+def _fit(block: int, *, seq_len: int) -> int:
+  """A tile no longer than the sequence rounded up to a power of two (at least 16)."""
+  return min(block, max(16, 1 << (max(seq_len, 1) - 1).bit_length()))
+
+
 def default_block_sizes(head_dim: int, seq_len: int, dtype) -> BlockSizes:
   """Tiles per head dim and dtype (f32 tiles take twice the shared memory), shrunk for short sequences."""
-  cap = max(16, 1 << (max(seq_len, 1) - 1).bit_length())
-  fit = lambda b: min(b, cap)
+  fit = functools.partial(_fit, seq_len=seq_len)
   bwd = lambda b, warps, stages: dict(block_q_dq=fit(b), block_k_dq=fit(b), block_q_dkv=fit(b), block_k_dkv=fit(b),
                                       num_warps_bwd=warps, num_stages_bwd=stages)
   if jnp.dtype(dtype).itemsize > 2:
@@ -111,7 +115,7 @@ def hopper_block_sizes(head_dim: int, seq_len: int, dtype) -> BlockSizes:
   tiles = default_block_sizes(head_dim, seq_len, dtype)
   if head_dim <= 128 or jnp.dtype(dtype).itemsize > 2:
     return tiles
-  fit = lambda b: min(b, max(16, 1 << (max(seq_len, 1) - 1).bit_length()))
+  fit = functools.partial(_fit, seq_len=seq_len)
   return dataclasses.replace(tiles, block_q_dq=fit(64), block_k_dq=fit(64), block_q_dkv=fit(64), block_k_dkv=fit(64),
                              num_warps_bwd=8, num_stages_bwd=1)
 

@@ -49,7 +49,7 @@ from clis_kernels.stabilizer import EMPTY_LSE, LOG2E, Certificate, KeyBounds, ro
 
 HEAD_DIMS = (64, 128, 256)
 # Head dims whose CTA fits the in-kernel certificate's scratch (Mode.KEYS): at 256 the Q, K and V slots alone take
-# 192 KiB of shared memory at block_kv 64, so the plan certifies there with an XLA pre-pass (a Certificate).
+# 192 KiB of shared memory at block_kv 64, so the plan (plan.mode_of reads this) certifies there with an XLA pre-pass.
 KEYS_MAX_HEAD_DIM = 128
 WIDE_HEAD_BLOCK_KV = 64  # block_kv above head dim 128: two 128-key slots of K and V overflow shared memory
 DTYPES = (jnp.bfloat16, jnp.float16)

@@ -498,7 +498,7 @@ def _dkv_scratch(dtype, head_dim: int, slots: int, has_segments: bool, fused_dq:
 
 
 FUSED_MAX_HEAD_DIM = 64
-MAX_HEAD_DIM = 128
+MAX_HEAD_DIM = 128  # dK and dV's f32 accumulators outgrow a warpgroup's registers above (plan.py reads it)
 
 
 def default_block_sizes(head_dim: int, seq_len: int, dtype) -> BlockSizes:

@@ -88,8 +88,6 @@ class Entry:
   certify_from: int = 0  # implementation=None: shorter sequences run online (certifying cannot pay there)
   certify_window_from: int = 0  # implementation=None: narrower local windows (keys per row) run online too
   blocks_from: int | None = None  # bound=None: the block bound from this many keys on (its kernel pays), else radius
-  max_head_dim: int | None = None  # the largest (unpadded) head dim its kernels take, None: the forward's `supports`
-  keys_max_head_dim: int | None = None  # Mode.KEYS (certifies_in_kernel) only up to this head dim; above, a pre-pass
 
   def supports(self, call: Call, platform: Platform, *, automatic: bool = False) -> str | None:
     """None when this entry can run the call, else why not, phrased to follow its name. automatic:
@@ -106,8 +104,9 @@ class Entry:
               "interpret=True to run it in Pallas interpret mode, or implementation='reference'")
     if self.hopper_only and not call.interpret and not platform.hopper:
       return "needs an NVIDIA Hopper GPU (H100, H200); use implementation='pallas_gpu'"
-    if self.max_head_dim is not None and call.head_dim > self.max_head_dim:
-      return (f"takes head dims up to {self.max_head_dim}; got head_dim={call.head_dim}: use "
+    max_head_dim = getattr(_module(self.backward), "MAX_HEAD_DIM", None)  # a backward's limit, where it has one
+    if max_head_dim is not None and call.head_dim > max_head_dim:
+      return (f"takes head dims up to {max_head_dim}; got head_dim={call.head_dim}: use "
               "implementation='pallas_mgpu_triton_bwd' on Hopper (the Mosaic GPU forward, the Triton backward) or "
               "'pallas_gpu'")
     if call.skipping and self.skip is None:
@@ -159,12 +158,11 @@ BLOCKS_FROM_TPU = 0
 
 REGISTRY: tuple[Entry, ...] = (
     Entry("pallas_mgpu", 30, ("gpu",), "pallas_mgpu", "pallas_mgpu_vjp", True, interpretable=False,
-          hopper_only=True, backward_tiles="pallas_mgpu_vjp", row_bounds="pallas_gpu_bounds", max_head_dim=128,
+          hopper_only=True, backward_tiles="pallas_mgpu_vjp", row_bounds="pallas_gpu_bounds",
           certify_from=CERTIFY_FROM_MGPU, certify_window_from=CERTIFY_WINDOW_FROM_MGPU, blocks_from=BLOCKS_FROM_MGPU,
           skip="diffusion.pallas_mgpu_skip"),
     Entry("pallas_mgpu_triton_bwd", 25, ("gpu",), "pallas_mgpu", "pallas_gpu_vjp", True, interpretable=False,
           hopper_only=True, backward_tiles="pallas_gpu:hopper_block_sizes", row_bounds="pallas_gpu_bounds",
-          keys_max_head_dim=128,
           certify_from=CERTIFY_FROM_MGPU, certify_window_from=CERTIFY_WINDOW_FROM_MGPU, blocks_from=BLOCKS_FROM_MGPU),
     Entry("pallas_gpu", 20, ("gpu",), "pallas_gpu", "pallas_gpu_vjp", True, skip="diffusion.pallas_gpu_skip",
           row_bounds="pallas_gpu_bounds"),
@@ -242,7 +240,8 @@ def mode_of(stabilizer: str, *, bound: str, granularity: str, separate_ids: bool
     return Mode.ONLINE
   if bound == "blocks":
     return Mode.BLOCKS
-  in_kernel = entry.certifies_in_kernel and (entry.keys_max_head_dim is None or head_dim <= entry.keys_max_head_dim)
+  keys_max = getattr(_module(entry.forward), "KEYS_MAX_HEAD_DIM", None)  # where the kernel's scratch stops fitting
+  in_kernel = entry.certifies_in_kernel and (keys_max is None or head_dim <= keys_max)
   if granularity == "head" or separate_ids or not in_kernel:
     return Mode.CERTIFICATE
   return Mode.KEYS
