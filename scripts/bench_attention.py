@@ -16,6 +16,8 @@ Implementations that the platform lacks are skipped with a note: cuDNN needs an 
 tokamax must be installed, splash attention needs a TPU, dense XLA must fit in --xla-max-gb.
 TFLOP/s use 4·B·Hq·S²·D (half when causal; packed cases count the same nominal work), ×3.5
 for forward+backward. Writes JSON records, a markdown table and a PNG plot (same file stem).
+--value-dim DV gives the llm suite's v (and dO) DV columns where q and k have D (MLA: --llm-heads 16 16 192
+--value-dim 128); TFLOP/s then count 2·B·Hq·S²·(D + DV).
 --window W / --softcap C give every case jax.nn's local_window_size=W and logits_soft_cap=C (Gemma 2,
 Mistral); the implementations in FEATURED take them (cuDNN the window only: with a cap it is skipped).
 
@@ -253,17 +255,18 @@ def cases(args):
           for packed in both[args.packed]:
             hq, hkv, d = args.llm_heads
             heads = "" if (hq, hkv, d) == tuple(testing.LLM_HEADS) else f"_H{hq}-{hkv}_D{d}"
+            heads += "" if args.value_dim is None else f"_Dv{args.value_dim}"
             docs = f"_docs{args.doc_len}" if packed and args.doc_len else ""
             feats = (f"_W{args.window}" if args.window is not None else "") + (
                 f"_cap{args.softcap:g}" if args.softcap is not None else "")
             name = f"llm_{'causal' if causal else 'bidir'}{'_packed' if packed else ''}{docs}{heads}{feats}_S{s}"
             out.append(dict(case=name if family == "gaussian" else f"{name}_{family}", b=batch(s), s=s, hq=hq, hkv=hkv,
-                            d=d, causal=causal, packed=packed, inputs=family))
+                            d=d, dv=args.value_dim or d, causal=causal, packed=packed, inputs=family))
   if args.suite in ("dit", "all"):
     for h in args.dit_heads:
       for s in args.dit_seq_lens:
         out.append(dict(case=f"dit_bidir_H{h}_S{s}", b=batch(s), s=s, hq=h, hkv=h, d=testing.DIT_HEAD_DIM,
-                        causal=False, packed=False, inputs="gaussian"))
+                        dv=testing.DIT_HEAD_DIM, causal=False, packed=False, inputs="gaussian"))
   return out
 
 
@@ -276,6 +279,8 @@ def main():
                       help="packed rows of documents 1 to 2·N tokens long (a training batch's), not 4 per row")
   parser.add_argument("--llm-heads", type=int, nargs=3, default=list(testing.LLM_HEADS), metavar=("HQ", "HKV", "D"),
                       help="llm suite: query heads, kv heads, head dim")
+  parser.add_argument("--value-dim", type=int, default=None, metavar="DV",
+                      help="llm suite: v's head dim where it differs from q·k's (MLA's 128 with D 192)")
   parser.add_argument("--dit-heads", type=int, nargs="+", default=[12, 40])
   parser.add_argument("--dit-seq-lens", type=int, nargs="+", default=[16384, 32768, 75600])
   parser.add_argument("--batch", type=int, default=1)
@@ -320,6 +325,8 @@ def main():
   for c in cases(args):
     q, k, v, do, seg = _inputs(c["b"], c["s"], c["hq"], c["hkv"], c["d"], c["packed"], family=c["inputs"],
                                dtype=c.get("dtype", jnp.bfloat16), doc_len=args.doc_len)
+    dv = c.get("dv", c["d"])
+    v, do = v[..., :dv], do[..., :dv]
     variants = {}
     for name, f in fns.items():
       if name == "xla" and c["b"] * c["hq"] * c["s"] ** 2 * 4 / 2**30 > args.xla_max_gb:
@@ -353,12 +360,12 @@ def main():
                  for name, _ in variants if name in CERTIFYING}
     timings = benchmarking.interleaved_medians({f"{n}|{p}": fn for (n, p), fn in variants.items()},
                                                repeats=args.repeats, inner=args.inner)
-    flops = 4 * c["b"] * c["hq"] * c["s"] ** 2 * c["d"] * (0.5 if c["causal"] else 1.0)
+    flops = 2 * c["b"] * c["hq"] * c["s"] ** 2 * (c["d"] + dv) * (0.5 if c["causal"] else 1.0)
     for key, (med, lo, hi) in timings.items():
       name, pass_ = key.split("|")
       work = flops * {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}[pass_]
       records.append(dict(case=c["case"], impl=name, **{"pass": pass_}, ms=med, ms_min=lo, ms_max=hi,
-                          tflops=None if name.endswith("prepass") else work / med / 1e9, B=c["b"], S=c["s"], Hq=c["hq"], Hkv=c["hkv"], D=c["d"],
+                          tflops=None if name.endswith("prepass") else work / med / 1e9, B=c["b"], S=c["s"], Hq=c["hq"], Hkv=c["hkv"], D=c["d"], Dv=dv,
                           causal=c["causal"], packed=c["packed"], inputs=c["inputs"], window=args.window,
                           softcap=args.softcap,
                           certified=certified.get(name), repeat=args.repeats, inner=args.inner, **meta))

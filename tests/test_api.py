@@ -92,6 +92,26 @@ def test_wide_heads_on_hopper_certify_with_a_pre_pass_and_refuse_the_mosaic_back
     plan.make_plan(dtype=jnp.bfloat16, head_dim=256, seq_len=1024, implementation="pallas_mgpu", platform=plan.HOPPER)
 
 
+@pytest.mark.parametrize("implementation,want", [
+    (None, ("pallas_mgpu", 192, 128)), ("pallas_mgpu", ("pallas_mgpu", 192, 128)),
+    ("pallas_mgpu_triton_bwd", ("pallas_mgpu_triton_bwd", 256, 256)), ("pallas_gpu", ("pallas_gpu", 256, 256)),
+    ("reference", ("reference", 192, 192))])
+def test_mla_head_dims_run_unpadded_where_both_kernels_take_them(implementation, want):
+  """q·k 192 with v 128 (MLA): the Mosaic GPU forward and backward take the pair as it is; entries whose kernels run
+  one width pad v up to q·k's (the Triton kernels to their power of two)."""
+  p = plan.make_plan(dtype=jnp.bfloat16, head_dim=192, value_head_dim=128, seq_len=4096,
+                     implementation=implementation, platform=plan.HOPPER)
+  assert (p.entry.name, p.head_dim, p.value_head_dim) == want
+  narrow = plan.make_plan(dtype=jnp.bfloat16, head_dim=160, value_head_dim=100, seq_len=4096, platform=plan.HOPPER)
+  assert (narrow.entry.name, narrow.head_dim, narrow.value_head_dim) == ("pallas_mgpu", 192, 128)
+  wide_v = plan.make_plan(dtype=jnp.bfloat16, head_dim=192, value_head_dim=192, seq_len=4096, platform=plan.HOPPER)
+  assert (wide_v.entry.name, wide_v.head_dim, wide_v.value_head_dim) == ("pallas_mgpu_triton_bwd", 256, 256)
+  with pytest.raises(ValueError, match=r"takes head dims up to 128 \(and the \(q·k, v\) pairs \(\(192, 128\),\)\); "
+                                       "got head_dim=256 with v's 128"):
+    plan.make_plan(dtype=jnp.bfloat16, head_dim=256, value_head_dim=128, seq_len=1024, implementation="pallas_mgpu",
+                   platform=plan.HOPPER)
+
+
 @pytest.mark.parametrize("seq_len,implementation,bound,want", [
     (plan.CERTIFY_FROM_MGPU - 1, None, "radius", plan.Mode.ONLINE), (plan.CERTIFY_FROM_MGPU, None, "radius",
                                                                       plan.Mode.KEYS),

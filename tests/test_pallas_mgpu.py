@@ -204,8 +204,8 @@ def test_mosaic_backward_block_sizes_are_validated():
 
 @pytest.mark.parametrize("kwargs,message", [
     (dict(dtype=jnp.float32), "needs bfloat16 or float16"),
-    (dict(d=256), "takes head dims up to 128; got head_dim=256"),
-    (dict(d=320), "takes head dims up to 128; got head_dim=320"),
+    (dict(d=256), "takes head dims up to 128 .*; got head_dim=256 with v.s 256"),
+    (dict(d=320), "takes head dims up to 128 .*; got head_dim=320 with v.s 320"),
     (dict(interpret=True), "has no interpret mode"),
     (dict(scale=-1.0), "must be positive"),
 ])
@@ -286,12 +286,12 @@ def test_mosaic_backward_matches_float64_on_gpu(case):
 
 
 @pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
-@pytest.mark.parametrize("d,dv,kw", [(256, 256, {}), (256, 256, dict(logits_soft_cap=50.0, local_window_size=100)),
-                                     (192, 128, {})], ids=["d256", "d256_cap_window", "mla_192_128"])
+@pytest.mark.parametrize("d,dv,kw", [(256, 256, {}), (256, 256, dict(logits_soft_cap=50.0, local_window_size=100))],
+                         ids=["d256", "d256_cap_window"])
 @pytest.mark.parametrize("bound", ["blocks", "radius"])
 def test_wide_heads_lower_as_the_mosaic_forward_and_the_triton_backward(d, dv, kw, bound):
-  """Head dims above 128 (Gemma's 256, MLA's 192 with v 128, padded to 256) on Hopper by default: one Mosaic GPU
-  forward at 64-key blocks taking a pre-pass's certificate, and the Triton backward."""
+  """Head dims above 128 (Gemma's 256) on Hopper by default: one Mosaic GPU forward at 64-key blocks taking a
+  pre-pass's certificate, and the Triton backward."""
   q = jax.ShapeDtypeStruct((1, 1000, 8, d), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((1, 1000, 4, d), jnp.bfloat16)
   v = jax.ShapeDtypeStruct((1, 1000, 4, dv), jnp.bfloat16)
@@ -303,9 +303,38 @@ def test_wide_heads_lower_as_the_mosaic_forward_and_the_triton_backward(d, dv, k
   assert text.count("custom_call @mosaic_gpu") == 1 and text.count("clis_bwd") >= 2
 
 
+@pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
+@pytest.mark.parametrize("d,causal,packed", [(192, True, False), (160, False, True), (192, True, True)],
+                         ids=["causal_192", "bidir_packed_160", "causal_packed_192"])
+@pytest.mark.parametrize("bound", ["blocks", "radius"])
+def test_mla_lowers_as_mosaic_kernels_with_v_unpadded(d, causal, packed, bound):
+  """MLA's q·k 192 / v 128 (DeepSeek V3) on Hopper by default: the Mosaic GPU forward and both backward kernels at
+  (192, 128) — v, dO, the output and dV are not padded to q's width — with a pre-pass's certificate."""
+  seq = 1000
+  q = jax.ShapeDtypeStruct((1, seq, 8, d), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, seq, 4, d), jnp.bfloat16)
+  v = jax.ShapeDtypeStruct((1, seq, 4, 128), jnp.bfloat16)
+  seg = jax.ShapeDtypeStruct((1, seq), jnp.int32) if packed else None
+
+  def loss(q, k, v, seg):
+    return attention(q, k, v, seg, causal=causal, bound=bound, platform=HOPPER).astype(jnp.float32).sum()
+
+  text = lower_for_h200(jax.grad(loss, argnums=(0, 1, 2)), q, k, v, seg)
+  assert text.count("custom_call @mosaic_gpu") == 3 and text.count("clis_bwd") == 0
+  assert "tensor<1x1024x4x128xbf16>" in text and "tensor<1x1024x4x192xbf16>" in text  # v at 128, k at 192
+  assert "tensor<1x1024x4x256xbf16>" not in text and "tensor<1x1024x8x256xbf16>" not in text
+
+
 def test_wide_heads_give_clear_errors():
   q = jnp.zeros((1, 128, 2, 256), jnp.bfloat16)
   lse = jnp.zeros((1, 2, 128), jnp.float32)
+  q192, v128, v64 = q[..., :192], q[..., :128], q[..., :64]
+  with pytest.raises(ValueError, match=r"v's head dim 64 equal to it or a \(q·k, v\) pair of \(\(192, 128\),\)"):
+    pallas_mgpu.forward(q192, q192, v64, None, None, mode=plan.Mode.ONLINE, causal=True, scale=0.1, kv_len=128,
+                        block_sizes=pallas_mgpu.BlockSizes(block_kv=64))
+  with pytest.raises(ValueError, match="fused_dq=True needs v's head dim equal to q's; got 192 and 128"):
+    pallas_mgpu_vjp.backward(q192, q192, v128, None, v128, lse, v128, causal=True, scale=0.1, kv_len=128,
+                             block_sizes=pallas_mgpu_vjp.BlockSizes(fused_dq=True))
   with pytest.raises(ValueError, match="block_kv=128 must be at most 64 at head_dim=256"):
     pallas_mgpu.forward(q, q, q, None, None, mode=plan.Mode.ONLINE, causal=True, scale=0.1, kv_len=128,
                         block_sizes=pallas_mgpu.BlockSizes(block_kv=128))
@@ -322,6 +351,50 @@ WIDE_CASES = [
                                                                              local_window_size=512)),
     ("mla_d192_v128", 1024, 8, 8, 192, 128, True, False, {}),
 ]
+
+
+# name, seq, q heads, kv heads, q·k head dim, causal, packed
+MLA_CASES = [
+    ("causal_gqa2_odd_d192", 1000, 8, 4, 192, True, False),
+    ("bidir_d192", 1024, 4, 4, 192, False, False),
+    ("causal_packed_d192", 1024, 8, 8, 192, True, True),
+    ("bidir_packed_odd_d160", 900, 4, 2, 160, False, True),
+]
+
+
+@needs_gpu
+@pytest.mark.parametrize("case", MLA_CASES, ids=[c[0] for c in MLA_CASES])
+def test_mla_matches_float64_on_gpu(case):
+  """MLA's q·k 192 / v 128 through the Mosaic GPU forward and backward at those widths (pallas_mgpu, the default),
+  block bound, radius bound and online against float64, each no less accurate (within CLIS_VS_ONLINE) than the path
+  that pads v to 256 (the Mosaic forward with the Triton backward); the deterministic backward is bit-identical run
+  to run."""
+  name, seq, hq, hkv, d, causal, packed = case
+  q, k, v, do = random_inputs(len(name), 1, seq, hq, hkv, d, jnp.bfloat16)
+  v, do = v[..., :128], do[..., :128]
+  seg = packed_segments(len(name), 1, seq) if packed else None
+  want = ref.attention(q, k, v, do, seg, causal=causal)
+  errors = {}
+  for label, implementation, extra in [("blocks", None, dict(bound="blocks")), ("radius", None, dict(bound="radius")),
+                                       ("online", None, dict(stabilizer="online")),
+                                       ("padded", "pallas_mgpu_triton_bwd", dict(stabilizer="online"))]:
+    run = lambda q, k, v: attention(q, k, v, seg, causal=causal, implementation=implementation, return_stats=True,
+                                    **extra)
+    (out, stats), vjp = jax.vjp(run, q, k, v)
+    got = (out, *vjp((do, jax.tree.map(jnp.zeros_like, stats))))
+    assert all(bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in got), label
+    errors[label] = [ref.rel_err(g, w) for g, w in zip(got, want)]
+    assert errors[label][0] < TOLERANCE[jnp.bfloat16][0] and max(errors[label][1:]) < TOLERANCE[jnp.bfloat16][1], (
+        label, errors)
+    if label == "blocks":
+      assert float(stats.certified_fraction) == 1.0, (label, float(stats.certified_fraction))
+      again = (out, *vjp((do, jax.tree.map(jnp.zeros_like, stats))))
+      assert all(bool((a == b).all()) for a, b in zip(got, again)), "the two-kernel backward is deterministic"
+  p = plan.make_plan(dtype=q.dtype, head_dim=d, value_head_dim=128, seq_len=seq, platform=HOPPER)
+  assert (p.entry.name, p.head_dim, p.value_head_dim) == ("pallas_mgpu", 192, 128)
+  for label in ("blocks", "radius", "online"):
+    for i in range(4):
+      assert errors[label][i] <= CLIS_VS_ONLINE * errors["padded"][i], (label, errors)
 
 
 @needs_gpu

@@ -122,9 +122,9 @@ def pad_seq(x, multiple, value=0):
   return pad_axis(x, 1, multiple, value=value)
 
 
-def _empty_attention(q, return_stats):
+def _empty_attention(q, return_stats, value_head_dim):
   """Zero-length queries or keys: every row sees no key, so the output is 0 (and so is every gradient)."""
-  out = jnp.zeros_like(q)
+  out = jnp.zeros(q.shape[:3] + (value_head_dim,), q.dtype)
   if not return_stats:
     return out
   none = jnp.zeros((q.shape[0], q.shape[2], 0), bool)
@@ -299,17 +299,6 @@ def attention(q, k, v, segment_ids=None, *, causal=True, scale=None, local_windo
     if sinks.shape != (q.shape[2],) or not jnp.issubdtype(sinks.dtype, jnp.floating):
       raise ValueError(f"sinks must be [Hq]=[{q.shape[2]}] logits (float), one per query head; got "
                        f"shape {sinks.shape}, dtype {sinks.dtype}")
-  if v.shape[-1] != q.shape[-1]:  # MLA: zero columns change no logit and no kept output column
-    width = max(q.shape[-1], v.shape[-1])
-    scale = float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    q, k, v_wide = (pad_axis(x, 3, to=width) for x in (q, k, v))
-    result = attention(q, k, v_wide, segment_ids, causal=causal, scale=scale, local_window_size=local_window_size,
-                       logits_soft_cap=logits_soft_cap, stabilizer=stabilizer, granularity=granularity, tau=tau,
-                       bound=bound, implementation=implementation, block_sizes=block_sizes,
-                       backward_block_sizes=backward_block_sizes, interpret=interpret, return_stats=return_stats,
-                       platform=platform, sinks=sinks)
-    cut = lambda out: out[..., :v.shape[-1]]
-    return (cut(result[0]), result[1]) if return_stats else cut(result)
   separate_ids = isinstance(segment_ids, masks.SegmentIds)
   segment_ids = masks.segment_ids_of(segment_ids)
   window = masks.as_window(local_window_size, causal=causal)
@@ -319,24 +308,28 @@ def attention(q, k, v, segment_ids=None, *, causal=True, scale=None, local_windo
     if block_sizes is not None or backward_block_sizes is not None:
       raise ValueError("block_sizes has no meaning for implementation='xla'; leave it None")
     if 0 in q.shape or 0 in k.shape:
-      return _empty_attention(q, return_stats)
-    out = _xla_attention(q, k, v, segment_ids, causal=causal, scale=scale, window=window, softcap=softcap,
-                         sinks=sinks)
+      return _empty_attention(q, return_stats, v.shape[-1])
+    width = max(q.shape[-1], v.shape[-1])  # MLA: zero columns change no logit and no kept output column
+    out = _xla_attention(*(pad_axis(x, 3, to=width) for x in (q, k, v)), segment_ids, causal=causal, scale=scale,
+                         window=window, softcap=softcap, sinks=sinks)[..., :v.shape[-1]]
     if not return_stats:
       return out
     none = jnp.zeros((q.shape[0], q.shape[2], 1), bool)
     return out, AttentionStats(none, jnp.zeros(()), jnp.zeros(q.shape[2]))
   seq_len, kv_seq_len = q.shape[1], k.shape[1]
-  plan = plan_lib.make_plan(dtype=q.dtype, head_dim=q.shape[-1], seq_len=max(seq_len, kv_seq_len),
-                            stabilizer=stabilizer, bound=bound, causal=bool(causal), packed=segment_ids is not None, granularity=granularity, separate_ids=separate_ids,
+  plan = plan_lib.make_plan(dtype=q.dtype, head_dim=q.shape[-1], value_head_dim=v.shape[-1],
+                            seq_len=max(seq_len, kv_seq_len), stabilizer=stabilizer, bound=bound, causal=bool(causal), packed=segment_ids is not None, granularity=granularity, separate_ids=separate_ids,
                             window_or_cap=window is not None or softcap is not None,
                             window_keys=None if window is None else window[0] + window[1] + 1,
                             implementation=implementation,
                             block_sizes=block_sizes, backward_block_sizes=backward_block_sizes, interpret=interpret,
                             platform=platform)
   if 0 in q.shape or 0 in k.shape:
-    return _empty_attention(q, return_stats)
-  qp, kp, vp = (pad_seq(pad_axis(x, 3, to=plan.head_dim), plan.multiple) for x in (q, k, v))
+    return _empty_attention(q, return_stats, v.shape[-1])
+  # Zero columns change no logit and no kept output column: q, k pad to the plan's q·k head dim, v to its v head
+  # dim (the same one unless the backend takes MLA's pair as it is).
+  qp, kp = (pad_seq(pad_axis(x, 3, to=plan.head_dim), plan.multiple) for x in (q, k))
+  vp = pad_seq(pad_axis(v, 3, to=plan.value_head_dim), plan.multiple)
   segp = None if segment_ids is None else jax.tree.map(lambda x: pad_seq(x.astype(jnp.int32), plan.multiple),
                                                        segment_ids)
   needs_kv_mask = kp.shape[1] != kv_seq_len and not causal and segment_ids is None
@@ -347,7 +340,7 @@ def attention(q, k, v, segment_ids=None, *, causal=True, scale=None, local_windo
                            softcap=softcap)
   out, tiles = _attend(static, qp, kp, vp, segp, stab,
                        None if sinks is None else _vary_like(sinks.astype(jnp.float32), qp))
-  out = out[:, :seq_len, :, :q.shape[-1]]
+  out = out[:, :seq_len, :, :v.shape[-1]]
   if not return_stats:
     return out
   real_tiles = -(-seq_len // plan.tile)  # tiles of padding rows only are not reported

@@ -16,8 +16,9 @@ kernel; bidirectional packed rows against their segment's centre), or reads the 
 Under the causal mask the loop splits into blocks wholly below the diagonal (no mask) and the
 few that straddle it; causal q tiles run last-first so the longest start early. A local window streams only the
 band's blocks and masks its edge blocks (masks.window_full_blocks); a soft cap caps Q·Kᵀ before the mask (`cap_tanh`).
-Layout: q [B, S, Hq, D], k/v [B, S, Hkv, D] (the API's); lse [B, Hq, S] f32 base 2, as both
-backwards expect (pallas_mgpu_vjp, the default, and pallas_gpu_vjp's Triton one).
+Layout: q [B, S, Hq, D], k [B, S, Hkv, D], v [B, S, Hkv, Dv] (the API's; Dv = D, or MLA's 192/128 natively:
+SPLIT_HEAD_DIMS); lse [B, Hq, S] f32 base 2, as both backwards expect (pallas_mgpu_vjp, the default, and
+pallas_gpu_vjp's Triton one).
 
 The kernel in named parts: `_Config` (static), `_Refs`, `_Scratch` / `_KeysScratch` / `_SegScratch`
 (shared memory and barriers), `_Rows` (one compute warpgroup's runtime values); `_kernel` →
@@ -52,6 +53,9 @@ HEAD_DIMS = (64, 128, 256)
 # 192 KiB of shared memory at block_kv 64, so the plan (plan.mode_of reads this) certifies there with an XLA pre-pass.
 KEYS_MAX_HEAD_DIM = 128
 WIDE_HEAD_BLOCK_KV = 64  # block_kv above head dim 128: two 128-key slots of K and V overflow shared memory
+# (q·k, v) head dims the kernels take without padding v up to q·k's: MLA's (DeepSeek V3, Kimi). The output then goes
+# out through its own [2, 64, 128] buffer (32 KiB; 160 KiB in all at 64-key blocks) instead of q's.
+SPLIT_HEAD_DIMS = ((192, 128),)
 DTYPES = (jnp.bfloat16, jnp.float16)
 FAILED_TILE_M = 1e30  # M sent for rows of a tile the XLA certificate failed (real M are far smaller)
 ONLINE_FLOOR = -1e20  # the online loop's starting max (base 2): below any real logit
@@ -141,21 +145,30 @@ def padded_head_dim(head_dim: int) -> int:
   return next((d for d in HEAD_DIMS if d >= head_dim), head_dim)
 
 
+def split_head_dims(head_dim: int, value_head_dim: int) -> tuple[int, int] | None:
+  """The SPLIT_HEAD_DIMS pair that q·k head dim `head_dim` and v head dim `value_head_dim` pad to (only q·k
+  wider than v: MLA), or None: then both pad to one width."""
+  return next(((d, dv) for d, dv in SPLIT_HEAD_DIMS
+               if dv < head_dim <= d and value_head_dim <= dv), None)
+
+
 def supports(dtype, head_dim: int) -> bool:
   """Whether these kernels take inputs of this dtype and (unpadded) head dim (the API's default asks)."""
   return dtype in DTYPES and padded_head_dim(head_dim) in HEAD_DIMS
 
 
-def _check(q, k, keys, cert, scale, interpret, block_kv):
+def _check(q, k, v, keys, cert, scale, interpret, block_kv):
   if interpret:
     raise ValueError("implementation='pallas_mgpu' has no interpret mode; use implementation='pallas_gpu' "
                      "with interpret=True to run the GPU kernels on a CPU")
   if q.dtype not in DTYPES:
     raise ValueError(f"implementation='pallas_mgpu' needs bfloat16 or float16 inputs; got {q.dtype=} "
                      "(use implementation='pallas_gpu' for float32)")
-  if q.shape[-1] not in HEAD_DIMS:
+  dims = (q.shape[-1], v.shape[-1])
+  if not (dims[0] == dims[1] and dims[0] in HEAD_DIMS) and dims not in SPLIT_HEAD_DIMS:
     raise ValueError(f"head_dim={q.shape[-1]} must be at most {HEAD_DIMS[-1]} for implementation='pallas_mgpu' "
-                     f"(smaller ones are padded to one of {HEAD_DIMS}); use implementation='pallas_gpu'")
+                     f"(smaller ones are padded to one of {HEAD_DIMS}), with v's head dim {v.shape[-1]} equal to it or "
+                     f"a (q·k, v) pair of {SPLIT_HEAD_DIMS}; use implementation='pallas_gpu'")
   if q.shape[-1] > 128 and block_kv > WIDE_HEAD_BLOCK_KV:
     raise ValueError(f"{block_kv=} must be at most {WIDE_HEAD_BLOCK_KV} at head_dim={q.shape[-1]} for "
                      "implementation='pallas_mgpu' (K and V slots overflow shared memory)")
@@ -206,7 +219,7 @@ class _Refs(NamedTuple):
   m: Any  # "cert": M per row (FAILED_TILE_M where the tile failed)
   centre: Any  # "keys": the K/V pre-pass's centre(s)
   bounds: Any  # "keys": radius, headroom, threshold, slack per row
-  o: Any
+  o: Any  # [B, S, Hq, Dv]
   lse: Any
   flags: Any  # "keys": the certified flag per row, out
   ones: Any = None  # tc_sum: [block_kv, 16] ones, the B operand of the sum's wgmma
@@ -218,9 +231,9 @@ class _Refs(NamedTuple):
 class _Scratch(NamedTuple):
   """Shared memory and barriers of every mode."""
 
-  qo: Any  # [2, block_q, D]: q in, then o out
+  qo: Any  # [2, block_q, D]: q in, then o out (when v's head dim is q's)
   k: Any  # [slots, block_kv, D]
-  v: Any
+  v: Any  # [slots, block_kv, Dv]
   rows: Any  # [2, block_q] f32: M in, lse out
   k_ready: Any
   v_ready: Any
@@ -231,6 +244,7 @@ class _Scratch(NamedTuple):
   schedule: Any  # the compute warpgroups' turns on the tensor cores
   ones: Any = None  # tc_sum: [block_kv, 16] ones in shared memory, and its TMA's barrier
   ones_ready: Any = None
+  o: Any = None  # [2, block_q, Dv]: o out, when Dv differs from D (SPLIT_HEAD_DIMS)
 
 
 class _KeysScratch(NamedTuple):
@@ -285,16 +299,17 @@ class _Rows(NamedTuple):
   lists: Any = None  # _ListScratch when listed
   rowmax: Any = None  # track: the row-maximum output (_Refs.rowmax)
   lead: Any = 0  # window: steps [0, lead) are masked too (the band's lower edge); [lead, full) are whole
+  o_smem: Any = None  # where the epilogue stages o: q_smem, or _Scratch.o's buffer
 
 
-def _scratch(c: _Config, dtype, head_dim: int):
+def _scratch(c: _Config, dtype, head_dim: int, value_head_dim: int):
   """The run_scoped allocations, grouped as _Scratch, _KeysScratch, _SegScratch, _ListScratch (each but the
   first None where the call has none)."""
   wgs, bq, bkv = COMPUTE_WARPGROUPS, c.block_q, c.block_kv
   common = _Scratch(
       plgpu.SMEM((wgs, bq, head_dim), dtype, transforms=swizzled()),
       plgpu.SMEM((c.slots, bkv, head_dim), dtype, transforms=swizzled()),
-      plgpu.SMEM((c.slots, bkv, head_dim), dtype, transforms=swizzled()),
+      plgpu.SMEM((c.slots, bkv, value_head_dim), dtype, transforms=swizzled()),
       plgpu.SMEM((wgs, bq), jnp.float32),
       plgpu.Barrier(num_barriers=c.slots), plgpu.Barrier(num_barriers=c.slots),
       plgpu.Barrier(num_barriers=wgs), plgpu.Barrier(num_barriers=wgs),
@@ -302,7 +317,8 @@ def _scratch(c: _Config, dtype, head_dim: int):
       plgpu.Barrier(num_arrivals=wgs),
       *((plgpu.SMEM((bkv, SUM_COLUMNS), dtype, transforms=(plgpu.TilingTransform((8, SUM_COLUMNS)),
                                                             plgpu.SwizzleTransform(2 * SUM_COLUMNS))),
-         plgpu.Barrier(num_barriers=1)) if c.tc_sum else ()))
+         plgpu.Barrier(num_barriers=1)) if c.tc_sum else (None, None)),
+      plgpu.SMEM((wgs, bq, value_head_dim), dtype, transforms=swizzled()) if value_head_dim != head_dim else None)
   keys = None
   if c.mode == "keys":
     keys = _KeysScratch(
@@ -394,7 +410,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, config: _Config):
                 None if ss is None else ss.kseg_ready, batch=batch, kv_head=kv_head, block_kv=c.block_kv,
                 num_blocks=blocks, slots=c.slots, free=(s.k_free, s.v_free), block_of=block_of)
 
-  pl.run_scoped(body, *_scratch(c, dtype, head_dim), collective_axes="wg")
+  pl.run_scoped(body, *_scratch(c, dtype, head_dim, v_ref.shape[-1]), collective_axes="wg")
 
 
 def _window_range(c: _Config, g: _Refs, row0, rows):
@@ -488,7 +504,7 @@ def _compute_warpgroup(c: _Config, g: _Refs, s: _Scratch, ks, ss, ls, *, wg, bat
     plgpu.barrier_wait(ss.qseg_ready.at[wg])
     q_ids = plgpu.load(ss.qseg.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
   r = _Rows(wg, batch, head, kv_head, row0, full, total, cta_blocks, q_smem, rows, q_ids, g.q.dtype, *turns,
-            block_of, ls, g.rowmax, lead)
+            block_of, ls, g.rowmax, lead, q_smem if s.o is None else s.o.at[wg])
 
   if c.mode in ("cert", "keys"):
     if c.mode == "cert":
@@ -575,7 +591,7 @@ def _decide(c: _Config, g: _Refs, ks: _KeysScratch, r: _Rows, row_ok):
 def _attend(c: _Config, g: _Refs, s: _Scratch, ss, r: _Rows, fixed: bool, m_fixed=None):
   """The KV loop (certified with M fixed, or online), the release of blocks the other warpgroup
   still streams, and the epilogue."""
-  bq, head_dim = c.block_q, g.q.shape[-1]
+  bq, value_head_dim = c.block_q, g.v.shape[-1]
   if fixed:  # M is loop-invariant: the loop closes over it and carries (acc, l)
     m0 = m_fixed
   else:
@@ -587,7 +603,7 @@ def _attend(c: _Config, g: _Refs, s: _Scratch, ss, r: _Rows, fixed: bool, m_fixe
     plgpu.barrier_wait(s.ones_ready.at[0])
   else:
     l0 = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-  carry = (plgpu.layout_cast(jnp.zeros((bq, head_dim), jnp.float32), plgpu.Layout.WGMMA),
+  carry = (plgpu.layout_cast(jnp.zeros((bq, value_head_dim), jnp.float32), plgpu.Layout.WGMMA),
            *(() if fixed else (m0,)), l0)
   plgpu.barrier_wait(s.k_ready.at[0])
   pl.when(r.wg == 1)(r.turn)  # warpgroup 1 starts half a step behind warpgroup 0
@@ -777,10 +793,10 @@ def _epilogue(c: _Config, g: _Refs, s: _Scratch, r: _Rows, acc, m, l):
     empty = r.q_ids == 0
     o = jnp.where(lax.broadcast_in_dim(empty, acc.shape, [0]), 0.0, o)
     lse = jnp.where(empty, EMPTY_LSE, lse)
-  r.q_smem[...] = o.astype(r.dtype)
+  r.o_smem[...] = o.astype(r.dtype)
   r.rows[...] = lse
   plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(r.q_smem, g.o.at[r.batch, pl.ds(r.row0, c.block_q), r.head])
+  plgpu.copy_smem_to_gmem(r.o_smem, g.o.at[r.batch, pl.ds(r.row0, c.block_q), r.head])
   plgpu.copy_smem_to_gmem(r.rows, g.lse.at[r.batch, r.head, pl.ds(r.row0, c.block_q)])
   plgpu.wait_smem_to_gmem(0)
 
@@ -809,7 +825,7 @@ def kernel_key_inputs(keys: KeyBounds, *, row_centres: bool, dtype, seq: int, ti
 
 def forward(q, k, v, segment_ids, stab: KeyBounds | Certificate | None, *, mode: Mode, causal, scale, kv_len,
             block_sizes: BlockSizes, seq_len: int | None = None, window=None, softcap=None, interpret=False):
-  """Returns (o [B, S, Hq, D], lse [B, Hq, S] f32 base 2, certified tiles [B, Hq, S/64] or None).
+  """Returns (o [B, S, Hq, Dv], lse [B, Hq, S] f32 base 2, certified tiles [B, Hq, S/64] or None).
 
   mode (plan.Mode) names the stabilizer: KEYS, stab the K/V pre-pass (each warpgroup certifies its
   rows in the prologue, bidirectional packed rows against their segment's centre); CERTIFICATE or
@@ -845,7 +861,7 @@ def first_kv_blocks(segment_ids, *, cta_rows: int, block_kv: int):
 def _launch(q, k, v, segment_ids, stab, *, mode: Mode, causal, scale, kv_len, block_sizes: BlockSizes, interpret,
             visit=None, track: bool = False, window=None, softcap=None):
   keys, cert = stabilizer_inputs(stab, mode)
-  _check(q, k, keys, cert, scale, interpret, block_sizes.block_kv)
+  _check(q, k, v, keys, cert, scale, interpret, block_sizes.block_kv)
   batch, seq, num_heads, _ = q.shape
   bs = block_sizes
   if seq % bs.multiple or k.shape[1] % bs.multiple:
@@ -874,7 +890,7 @@ def _launch(q, k, v, segment_ids, stab, *, mode: Mode, causal, scale, kv_len, bl
       raise ValueError(f"visit.shape={visit.shape} must be {(batch, num_heads, num_ctas)} + (width,) and the call "
                        "bidirectional and unpacked: kept-tile lists are per (batch, head, CTA q tile)")
     args.append(visit.astype(jnp.int32).reshape(visit.shape[:3] + _list_shape(visit.shape[-1])))
-  out_type = [out_struct(q.shape, q.dtype, q), out_struct((batch, num_heads, seq), jnp.float32, q)]
+  out_type = [out_struct(q.shape[:3] + v.shape[3:], q.dtype, q), out_struct((batch, num_heads, seq), jnp.float32, q)]
   if mode == "cert":  # the kernel reads the certificate per row, with M
     args += [jnp.where(_per_row(cert.certified, tile=bs.tile, seq=seq), cert.m, FAILED_TILE_M)]
   if mode == "keys":

@@ -11,7 +11,8 @@ shared-memory buffers with TMA (as pallas_mgpu's forward, without the ping-pong)
 Causal loops visit only the blocks on or below the diagonal (masks.py's ranges) and mask only the
 blocks that straddle it. A warpgroup whose rows need fewer blocks than its CTA streams still waits
 for each of them and releases it, so no buffer is refilled while the other warpgroup reads it.
-Layouts as the forward's: q, dO [B, S, Hq, D], k, v [B, S, Hkv, D], lse [B, Hq, S] f32.
+Layouts as the forward's: q [B, S, Hq, D], dO [B, S, Hq, Dv], k [B, S, Hkv, D], v [B, S, Hkv, Dv], lse [B, Hq, S]
+f32; Dv = D, or a (q·k, v) pair of SPLIT_HEAD_DIMS (MLA's 192/128) in the two kernels.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from clis_kernels import masks
 from clis_kernels.mgpu_pipeline import (COMPUTE_WARPGROUPS, RANGE_WIDTH, cta_first_row, kv_blocks, range_scratch,
                                         read_range_entry, stream_blocks, stream_kv, swizzled)
 from clis_kernels.common import int32_loop, out_struct
-from clis_kernels.pallas_mgpu import TANHS, cap_tanh, first_kv_blocks
+from clis_kernels.pallas_mgpu import SPLIT_HEAD_DIMS, TANHS, cap_tanh, first_kv_blocks
 from clis_kernels.stabilizer import LOG2E
 
 ROWS = 64  # rows per compute warpgroup (one wgmma M tile), and the streamed block in both kernels
@@ -111,7 +112,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, s
   if doc_ranges:  # [B, q tiles, RANGE_WIDTH]: the CTA's first KV block
     (range_ref,), refs = refs[:1], refs[1:]
   (dq_ref,) = refs
-  dtype, head_dim = q_ref.dtype, q_ref.shape[-1]
+  dtype, head_dim, value_head_dim = q_ref.dtype, q_ref.shape[-1], v_ref.shape[-1]
   batch, head = lax.axis_index("batch"), lax.axis_index("heads")
   cta_row0 = cta_first_row(q_ref.shape[1], ROWS, causal=causal)
   kv_head = lax.div(head, jnp.int32(group))
@@ -227,9 +228,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, s
   pl.run_scoped(
       body,
       plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS, head_dim), dtype, transforms=swizzled()),  # q, then dq
-      plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS, head_dim), dtype, transforms=swizzled()),  # dO
+      plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS, value_head_dim), dtype, transforms=swizzled()),  # dO
       plgpu.SMEM((slots, ROWS, head_dim), dtype, transforms=swizzled()),  # k blocks
-      plgpu.SMEM((slots, ROWS, head_dim), dtype, transforms=swizzled()),  # v blocks
+      plgpu.SMEM((slots, ROWS, value_head_dim), dtype, transforms=swizzled()),  # v blocks
       plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS), jnp.float32),  # lse
       plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS), jnp.float32),  # Δ
       per_wg(), per_wg(), per_wg(), per_wg(),  # q, dO, lse, Δ ready
@@ -263,7 +264,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
   if fused_dq:  # an f32 [B, S, Hq, D] ref of zeros that every CTA adds its dQ parts into
     (dq_ref,), refs = refs[:1], refs[1:]
   dk_ref, dv_ref = refs
-  dtype, head_dim = k_ref.dtype, k_ref.shape[-1]
+  dtype, head_dim, value_head_dim = k_ref.dtype, k_ref.shape[-1], v_ref.shape[-1]
   num_q_blocks = q_ref.shape[1] // ROWS
   batch, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
   cta_kv0 = lax.axis_index("kv_tiles") * (COMPUTE_WARPGROUPS * ROWS)  # low tiles see the most: they start first
@@ -382,8 +383,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
           return int32_loop(first_full, end, functools.partial(step, g=g, masked=False), carry)
         return int32_loop(0, num_q_blocks, functools.partial(step, g=g, masked=False), carry)
 
-      zeros = plgpu.layout_cast(jnp.zeros((ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA)
-      dk, dv = int32_loop(0, group, head_loop, (zeros, zeros))
+      zeros = lambda width: plgpu.layout_cast(jnp.zeros((ROWS, width), jnp.float32), plgpu.Layout.WGMMA)
+      dk, dv = int32_loop(0, group, head_loop, (zeros(head_dim), zeros(value_head_dim)))
       k_smem.at[wg][...] = (dk * scale).astype(dtype)
       v_smem.at[wg][...] = dv.astype(dtype)
       plgpu.commit_smem()
@@ -403,7 +404,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
       _stream_query_blocks(streams, kv_head=kv_head, group=group, per_head=per_head, cta_first=cta_first,
                            slots=slots, free=free)
 
-  pl.run_scoped(body, *_dkv_scratch(dtype, head_dim, slots, has_segments, fused_dq, split_dq),
+  pl.run_scoped(body, *_dkv_scratch(dtype, head_dim, value_head_dim, slots, has_segments, fused_dq, split_dq),
                 *(range_scratch() if doc_ranges else ()), collective_axes="wg")
 
 
@@ -469,16 +470,16 @@ def _add_dq(dq_part, buf, dq_rows):
   plgpu.copy_smem_to_gmem(buf, dq_rows, reduction_op="add")
 
 
-def _dkv_scratch(dtype, head_dim: int, slots: int, has_segments: bool, fused_dq: bool = False,
+def _dkv_scratch(dtype, head_dim: int, value_head_dim: int, slots: int, has_segments: bool, fused_dq: bool = False,
                  split_dq: bool = False) -> tuple:
   """The dK/dV kernel's shared memory and barriers, in the order its body takes them."""
   per_wg = lambda: plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS)
   per_slot = lambda: plgpu.Barrier(num_barriers=slots)
   return (
       plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS, head_dim), dtype, transforms=swizzled()),  # k, then dk
-      plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS, head_dim), dtype, transforms=swizzled()),  # v, then dv
+      plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS, value_head_dim), dtype, transforms=swizzled()),  # v, then dv
       plgpu.SMEM((slots, ROWS, head_dim), dtype, transforms=swizzled()),  # q blocks
-      plgpu.SMEM((slots, ROWS, head_dim), dtype, transforms=swizzled()),  # dO blocks
+      plgpu.SMEM((slots, ROWS, value_head_dim), dtype, transforms=swizzled()),  # dO blocks
       plgpu.SMEM((slots, ROWS), jnp.float32),  # lse blocks
       plgpu.SMEM((slots, ROWS), jnp.float32),  # Δ blocks
       per_wg(), per_wg(),  # k, v ready
@@ -499,6 +500,8 @@ def _dkv_scratch(dtype, head_dim: int, slots: int, has_segments: bool, fused_dq:
 
 FUSED_MAX_HEAD_DIM = 64
 MAX_HEAD_DIM = 128  # dK and dV's f32 accumulators outgrow a warpgroup's registers above (plan.py reads it)
+# SPLIT_HEAD_DIMS (pallas_mgpu's, MLA's 192/128) run too: dK [64, 192] and dV [64, 128] f32 take 160 registers a
+# thread, against 128 at head dim 128 and 256 at 256. plan.py reads it from here.
 
 
 def default_block_sizes(head_dim: int, seq_len: int, dtype) -> BlockSizes:
@@ -507,6 +510,12 @@ def default_block_sizes(head_dim: int, seq_len: int, dtype) -> BlockSizes:
   (benchmarks/log.md, 2026-12-01, "the fused backward"). Pass BlockSizes(fused_dq=False) for bit-identical gradients run to run."""
   del seq_len, dtype
   return BlockSizes(fused_dq=head_dim <= FUSED_MAX_HEAD_DIM)
+
+
+def takes_head_dims(head_dim: int, value_head_dim: int) -> bool:
+  """Whether this backward takes q·k head dim `head_dim` with v head dim `value_head_dim` (as the kernels run them,
+  padded): equal ones up to MAX_HEAD_DIM, or a SPLIT_HEAD_DIMS pair."""
+  return (head_dim == value_head_dim and head_dim <= MAX_HEAD_DIM) or (head_dim, value_head_dim) in SPLIT_HEAD_DIMS
 
 
 def backward(q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_sizes: BlockSizes, window=None,
@@ -533,10 +542,14 @@ class Launches:
     kv_seq, num_kv_heads = k.shape[1:3]  # kv_seq may differ from seq (cross-attention)
     if seq % block_sizes.multiple or kv_seq % block_sizes.multiple:
       raise ValueError(f"{block_sizes.multiple=} must divide the padded lengths {seq=} and {kv_seq=}")
-    if q.shape[-1] > MAX_HEAD_DIM:
+    if not takes_head_dims(q.shape[-1], v.shape[-1]):
       raise ValueError(f"head_dim={q.shape[-1]} must be at most {MAX_HEAD_DIM} for the Mosaic GPU backward (dK and "
-                       "dV's f32 accumulators outgrow a warpgroup's registers); use implementation="
+                       "dV's f32 accumulators outgrow a warpgroup's registers), with v's head dim "
+                       f"{v.shape[-1]} equal to it, or (q·k, v) one of {SPLIT_HEAD_DIMS}; use implementation="
                        "'pallas_mgpu_triton_bwd' (the Mosaic GPU forward, the Triton backward), the default there")
+    if block_sizes.fused_dq and q.shape[-1] != v.shape[-1]:
+      raise ValueError(f"fused_dq=True needs v's head dim equal to q's; got {q.shape[-1]} and {v.shape[-1]}: use "
+                       "BlockSizes(fused_dq=False)")
     if block_sizes.split_dq and q.shape[-1] != 128:
       raise ValueError(f"split_dq=True needs head_dim 128 (halves of 64 columns, one swizzle tile); got "
                        f"head_dim={q.shape[-1]}: use BlockSizes(fused_dq=True) without split_dq")

@@ -63,7 +63,6 @@ class Backend(NamedTuple):
   default_block_sizes: Callable[[int, int, Any], Any]
   backward_block_sizes_type: type
   default_backward_block_sizes: Callable[[int, int, Any], Any]
-  padded_head_dim: Callable[[int], int]
   skip_forward: Callable | None
   row_bounds: Any  # the block bound's (U, L) kernel module (supports, row_bounds), or None: XLA
 
@@ -71,7 +70,8 @@ class Backend(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class Entry:
   """A backend in the registry. forward/backward/skip: 'module' or 'module:function' under clis_kernels;
-  a module provides BlockSizes and default_block_sizes (and padded_head_dim, supports, if it needs)."""
+  a module provides BlockSizes and default_block_sizes (and padded_head_dim, split_head_dims, supports,
+  takes_head_dims, if it needs)."""
 
   name: str
   priority: int  # implementation=None: the highest-priority entry that supports the call
@@ -104,9 +104,11 @@ class Entry:
               "interpret=True to run it in Pallas interpret mode, or implementation='reference'")
     if self.hopper_only and not call.interpret and not platform.hopper:
       return "needs an NVIDIA Hopper GPU (H100, H200); use implementation='pallas_gpu'"
-    max_head_dim = getattr(_module(self.backward), "MAX_HEAD_DIM", None)  # a backward's limit, where it has one
-    if max_head_dim is not None and call.head_dim > max_head_dim:
-      return (f"takes head dims up to {max_head_dim}; got head_dim={call.head_dim}: use "
+    backward = _module(self.backward)
+    takes = getattr(backward, "takes_head_dims", None)  # a backward's limit, where it has one
+    if takes is not None and not takes(*self.head_dims(call.head_dim, call.value_head_dim)):
+      return (f"takes head dims up to {backward.MAX_HEAD_DIM} (and the (q·k, v) pairs {backward.SPLIT_HEAD_DIMS}); "
+              f"got head_dim={call.head_dim} with v's {call.value_head_dim or call.head_dim}: use "
               "implementation='pallas_mgpu_triton_bwd' on Hopper (the Mosaic GPU forward, the Triton backward) or "
               "'pallas_gpu'")
     if call.skipping and self.skip is None:
@@ -117,12 +119,24 @@ class Entry:
       return f"does not take dtype {jnp.dtype(call.dtype).name} with head_dim {call.head_dim}"
     return None
 
+  def head_dims(self, head_dim: int, value_head_dim: int | None = None) -> tuple[int, int]:
+    """(q·k, v) head dims the kernels run at, the API padding with zero columns up to them: a pair the forward
+    module's `split_head_dims` gives and the backward module's `takes_head_dims` accepts (MLA's 192/128 on
+    Hopper), else both at the forward's `padded_head_dim` of the wider (zero v columns are cut off the output)."""
+    value_head_dim = head_dim if value_head_dim is None else value_head_dim
+    forward, backward = _module(self.forward), _module(self.backward)
+    split, takes = getattr(forward, "split_head_dims", None), getattr(backward, "takes_head_dims", None)
+    pair = None if value_head_dim == head_dim or split is None or takes is None else split(head_dim, value_head_dim)
+    if pair is not None and takes(*pair):
+      return pair
+    width = getattr(forward, "padded_head_dim", lambda d: d)(max(head_dim, value_head_dim))
+    return width, width
+
   def load(self) -> Backend:
     tiles = self.backward_tiles or self.forward
     fwd, bwd = _module(self.forward), _module(tiles)
     return Backend(_function(self.forward, "forward"), _function(self.backward, "backward"), fwd.BlockSizes,
                    fwd.default_block_sizes, bwd.BlockSizes, _function(tiles, "default_block_sizes"),
-                   getattr(fwd, "padded_head_dim", lambda d: d),
                    None if self.skip is None else _function(self.skip, "forward"),
                    None if self.row_bounds is None else _module(self.row_bounds))
 
@@ -184,6 +198,7 @@ class Call:
   window_or_cap: bool = False
   skipping: bool = False
   interpret: Any = False  # bool, or a pltpu.InterpretParams (pallas_tpu only)
+  value_head_dim: int | None = None  # v's head dim where it differs from q·k's (MLA), else None
 
 
 def choose(implementation: str | None, call: Call, platform: Platform) -> Entry:
@@ -210,10 +225,11 @@ class Plan:
   mode: Mode
   block_sizes: Any  # the forward's
   backward_block_sizes: Any
-  head_dim: int  # what the kernels run at (the API zero-pads up to it)
+  head_dim: int  # q·k's, as the kernels run it (the API zero-pads up to it)
   multiple: int  # sequence lengths are padded to a multiple of this
   tile: int  # query rows per certificate tile
   interpret: Any  # bool, or pallas_tpu's pltpu.InterpretParams
+  value_head_dim: int  # v's and the output's, as the kernels run it (head_dim unless the entry takes a split pair)
 
   @property
   def backend(self) -> Backend:
@@ -257,22 +273,24 @@ def automatic_bound(entry: Entry, *, seq_len: int, causal: bool, packed: bool, s
   return "radius"
 
 
-def make_plan(*, dtype, head_dim: int, seq_len: int, stabilizer: str = "clis", bound: str | None = None,
+def make_plan(*, dtype, head_dim: int, seq_len: int, value_head_dim: int | None = None, stabilizer: str = "clis",
+              bound: str | None = None,
               causal: bool = True, packed: bool = False,
               granularity: str = "tile", separate_ids: bool = False, window_or_cap: bool = False,
               skipping: bool = False, window_keys: int | None = None, implementation: str | None = None,
               block_sizes=None,
               backward_block_sizes=None, interpret=False, platform: Platform | None = None) -> Plan:
   """The plan for one call. seq_len: the longer of the query and key lengths (tile heuristics and
-  the length rules); window_keys: keys a row sees under a local window (left + right + 1), or None; bound None:
+  the length rules); value_head_dim: v's head dim where it differs from q·k's (MLA), else None; window_keys: keys a row sees under a local window (left + right + 1), or None; bound None:
   `automatic_bound`, which reads causal and packed (segment ids given)."""
   from jax.experimental.pallas import tpu as pltpu
   interpret = interpret if isinstance(interpret, pltpu.InterpretParams) else bool(interpret)
   platform = Platform.detect() if platform is None else platform
-  call = Call(jnp.dtype(dtype), head_dim, window_or_cap, skipping, interpret)
+  value_head_dim = None if value_head_dim == head_dim else value_head_dim
+  call = Call(jnp.dtype(dtype), head_dim, window_or_cap, skipping, interpret, value_head_dim)
   entry = choose(implementation, call, platform)
   backend = entry.load()
-  padded_head = backend.padded_head_dim(head_dim)
+  padded_head, padded_value = entry.head_dims(head_dim, value_head_dim)
   if block_sizes is None:
     block_sizes = backend.default_block_sizes(head_dim, seq_len, dtype)
   elif not isinstance(block_sizes, backend.block_sizes_type):
@@ -294,4 +312,5 @@ def make_plan(*, dtype, head_dim: int, seq_len: int, stabilizer: str = "clis", b
   mode = mode_of(stabilizer, bound=bound, granularity=granularity, separate_ids=separate_ids, entry=entry,
                  head_dim=padded_head)
   multiple = max(block_sizes.multiple, backward_block_sizes.multiple)
-  return Plan(entry, mode, block_sizes, backward_block_sizes, padded_head, multiple, block_sizes.tile, interpret)
+  return Plan(entry, mode, block_sizes, backward_block_sizes, padded_head, multiple, block_sizes.tile, interpret,
+              padded_value)
