@@ -170,6 +170,12 @@ def _all_blocks(q, k, v, seg, causal, stabilizer):
                        fused_dq=q.shape[-1] <= pallas_mgpu_vjp.FUSED_MAX_HEAD_DIM, document_ranges=False))
 
 
+def _kv64(q, k, v, seg, causal, stabilizer):
+  """The Mosaic GPU forward at 64-key blocks (the default at head dims padded to 256; MLA's 192 takes 128)."""
+  return attention(q, k, v, seg, causal=causal, stabilizer=stabilizer, implementation="pallas_mgpu",
+                   block_sizes=pallas_mgpu.BlockSizes(block_kv=64))
+
+
 def _tokamax_k_start(q, k, v, seg, causal):
   """tokamax's Mosaic GPU flash attention with packed documents as per-row first keys (the trainer's
   attention=tokamax; causal only)."""
@@ -212,6 +218,7 @@ def implementations(names, platform, quick):
       table[f"{stab}_split_bwd"] = functools.partial(_backward_choice, stabilizer=stab, fused=True, split=True)
       table[f"{stab}_all_blocks"] = functools.partial(_all_blocks, stabilizer=stab)
       table[f"{stab}_exp2_tanh"] = functools.partial(_exp2_tanh, stabilizer=stab)
+      table[f"{stab}_kv64"] = functools.partial(_kv64, stabilizer=stab)
     table["tokamax_k_start"] = _tokamax_k_start
   fns, notes = {}, []
   for name in names:

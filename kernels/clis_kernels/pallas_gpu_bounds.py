@@ -54,11 +54,13 @@ class BlockSizes:
       raise ValueError(f"num_warps={self.num_warps} must be one of 1, 2, 4, 8, 16")
 
 
-def supports(*, causal: bool, packed: bool, window, separate_ids: bool, same_length: bool, multiple: int) -> bool:
+def supports(*, causal: bool, packed: bool, window, separate_ids: bool, same_length: bool, multiple: int,
+             head_dim: int) -> bool:
   """Whether the kernel takes this call: causal (packed or not) or bidirectional unpacked, equal q/k
-  lengths (the own tile), no local window, lengths padded to a multiple of the default rows."""
+  lengths (the own tile), no local window, lengths padded to a multiple of the default rows, and a power-of-two
+  head dim (Triton's blocks; MLA's 192 takes the XLA statement)."""
   return window is None and not separate_ids and same_length and multiple % BlockSizes().rows == 0 and (
-      causal or not packed)
+      causal or not packed) and head_dim & (head_dim - 1) == 0
 
 
 def _kernel(*refs, causal: bool, has_segments: bool, sigma2: float, block_q: int, heads: int, centres: int,

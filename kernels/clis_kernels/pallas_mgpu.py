@@ -53,8 +53,8 @@ HEAD_DIMS = (64, 128, 256)
 # 192 KiB of shared memory at block_kv 64, so the plan (plan.mode_of reads this) certifies there with an XLA pre-pass.
 KEYS_MAX_HEAD_DIM = 128
 WIDE_HEAD_BLOCK_KV = 64  # block_kv above head dim 128: two 128-key slots of K and V overflow shared memory
-# (q·k, v) head dims the kernels take without padding v up to q·k's: MLA's (DeepSeek V3, Kimi). The output then goes
-# out through its own [2, 64, 128] buffer (32 KiB; 160 KiB in all at 64-key blocks) instead of q's.
+# (q·k, v) head dims the kernels take without padding v up to q·k's: MLA's (DeepSeek V3, Kimi). The output goes out
+# through q's bytes (a RefUnion), so 128-key blocks fit: Q 48 KiB, K 96 KiB, V 64 KiB.
 SPLIT_HEAD_DIMS = ((192, 128),)
 DTYPES = (jnp.bfloat16, jnp.float16)
 FAILED_TILE_M = 1e30  # M sent for rows of a tile the XLA certificate failed (real M are far smaller)
@@ -134,9 +134,11 @@ class BlockSizes:
 
 def default_block_sizes(head_dim: int, seq_len: int, dtype) -> BlockSizes:
   """block_kv 128, 2 slots, ping-pong on were the fastest for both loops at head dims 64 and 128 in the H200
-  sweeps (notes/kernels.md; figures in BENCHMARKS.md); above 128, 64-key blocks (WIDE_HEAD_BLOCK_KV)."""
+  sweeps (notes/kernels.md; figures in BENCHMARKS.md); MLA's q·k 192 (SPLIT_HEAD_DIMS: the plan passes the padded
+  q·k head dim) keeps them; head dims padded to 256 take 64-key blocks (WIDE_HEAD_BLOCK_KV)."""
   del seq_len, dtype
-  return BlockSizes(block_kv=WIDE_HEAD_BLOCK_KV) if padded_head_dim(head_dim) > 128 else BlockSizes()
+  split = head_dim in (d for d, _ in SPLIT_HEAD_DIMS)
+  return BlockSizes(block_kv=WIDE_HEAD_BLOCK_KV) if padded_head_dim(head_dim) > 128 and not split else BlockSizes()
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -169,7 +171,7 @@ def _check(q, k, v, keys, cert, scale, interpret, block_kv):
     raise ValueError(f"head_dim={q.shape[-1]} must be at most {HEAD_DIMS[-1]} for implementation='pallas_mgpu' "
                      f"(smaller ones are padded to one of {HEAD_DIMS}), with v's head dim {v.shape[-1]} equal to it or "
                      f"a (q·k, v) pair of {SPLIT_HEAD_DIMS}; use implementation='pallas_gpu'")
-  if q.shape[-1] > 128 and block_kv > WIDE_HEAD_BLOCK_KV:
+  if q.shape[-1] > 128 and dims not in SPLIT_HEAD_DIMS and block_kv > WIDE_HEAD_BLOCK_KV:
     raise ValueError(f"{block_kv=} must be at most {WIDE_HEAD_BLOCK_KV} at head_dim={q.shape[-1]} for "
                      "implementation='pallas_mgpu' (K and V slots overflow shared memory)")
   if keys is not None and q.shape[-1] > KEYS_MAX_HEAD_DIM:
@@ -231,7 +233,7 @@ class _Refs(NamedTuple):
 class _Scratch(NamedTuple):
   """Shared memory and barriers of every mode."""
 
-  qo: Any  # [2, block_q, D]: q in, then o out (when v's head dim is q's)
+  qo: Any  # [2, block_q, D]: q in, then o out (SPLIT_HEAD_DIMS: o through `o`, in the same bytes)
   k: Any  # [slots, block_kv, D]
   v: Any  # [slots, block_kv, Dv]
   rows: Any  # [2, block_q] f32: M in, lse out
@@ -244,7 +246,7 @@ class _Scratch(NamedTuple):
   schedule: Any  # the compute warpgroups' turns on the tensor cores
   ones: Any = None  # tc_sum: [block_kv, 16] ones in shared memory, and its TMA's barrier
   ones_ready: Any = None
-  o: Any = None  # [2, block_q, Dv]: o out, when Dv differs from D (SPLIT_HEAD_DIMS)
+  o: Any = None  # SPLIT_HEAD_DIMS: [2, block_q·D/Dv, Dv], o out through rows [0, block_q) of each warpgroup's q bytes
 
 
 class _KeysScratch(NamedTuple):
@@ -306,8 +308,12 @@ def _scratch(c: _Config, dtype, head_dim: int, value_head_dim: int):
   """The run_scoped allocations, grouped as _Scratch, _KeysScratch, _SegScratch, _ListScratch (each but the
   first None where the call has none)."""
   wgs, bq, bkv = COMPUTE_WARPGROUPS, c.block_q, c.block_kv
+  qo = plgpu.SMEM((wgs, bq, head_dim), dtype, transforms=swizzled())
+  if value_head_dim != head_dim:  # o [bq, Dv] of warpgroup w lies in q's bytes of w: it is written once q is read
+    qo = plgpu.RefUnion(qo, plgpu.SMEM((wgs, bq * head_dim // value_head_dim, value_head_dim), dtype,
+                                       transforms=swizzled()))
   common = _Scratch(
-      plgpu.SMEM((wgs, bq, head_dim), dtype, transforms=swizzled()),
+      qo,
       plgpu.SMEM((c.slots, bkv, head_dim), dtype, transforms=swizzled()),
       plgpu.SMEM((c.slots, bkv, value_head_dim), dtype, transforms=swizzled()),
       plgpu.SMEM((wgs, bq), jnp.float32),
@@ -317,8 +323,7 @@ def _scratch(c: _Config, dtype, head_dim: int, value_head_dim: int):
       plgpu.Barrier(num_arrivals=wgs),
       *((plgpu.SMEM((bkv, SUM_COLUMNS), dtype, transforms=(plgpu.TilingTransform((8, SUM_COLUMNS)),
                                                             plgpu.SwizzleTransform(2 * SUM_COLUMNS))),
-         plgpu.Barrier(num_barriers=1)) if c.tc_sum else (None, None)),
-      plgpu.SMEM((wgs, bq, value_head_dim), dtype, transforms=swizzled()) if value_head_dim != head_dim else None)
+         plgpu.Barrier(num_barriers=1)) if c.tc_sum else ()))
   keys = None
   if c.mode == "keys":
     keys = _KeysScratch(
@@ -375,6 +380,9 @@ def _kernel(q_ref, k_ref, v_ref, *refs, config: _Config):
     _, cta_blocks = _kv_range(c, g, cta_row0, COMPUTE_WARPGROUPS * c.block_q)
 
   def body(s: _Scratch, ks: _KeysScratch | None, ss: _SegScratch | None, ls: _ListScratch | None):
+    if v_ref.shape[-1] != head_dim:  # the RefUnion of q's buffer and o's
+      q_bufs, o_bufs = s.qo
+      s = s._replace(qo=q_bufs, o=o_bufs)
     wg = lax.axis_index("wg")
     kv_head = lax.div(head, jnp.int32(c.group))
     turns = functools.partial(_take_turn, s), functools.partial(_turn, c, s)
@@ -504,7 +512,7 @@ def _compute_warpgroup(c: _Config, g: _Refs, s: _Scratch, ks, ss, ls, *, wg, bat
     plgpu.barrier_wait(ss.qseg_ready.at[wg])
     q_ids = plgpu.load(ss.qseg.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
   r = _Rows(wg, batch, head, kv_head, row0, full, total, cta_blocks, q_smem, rows, q_ids, g.q.dtype, *turns,
-            block_of, ls, g.rowmax, lead, q_smem if s.o is None else s.o.at[wg])
+            block_of, ls, g.rowmax, lead, q_smem if s.o is None else s.o.at[wg, pl.ds(0, c.block_q)])
 
   if c.mode in ("cert", "keys"):
     if c.mode == "cert":

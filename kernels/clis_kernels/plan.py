@@ -243,7 +243,7 @@ class Plan:
     (stabilizer.block_row_bounds in XLA)."""
     module = self.backend.row_bounds
     if module is None or not module.supports(causal=causal, packed=packed, window=window, separate_ids=separate_ids,
-                                             same_length=same_length, multiple=self.multiple):
+                                             same_length=same_length, multiple=self.multiple, head_dim=self.head_dim):
       return None
     return functools.partial(module.row_bounds, interpret=self.interpret)
 
@@ -291,14 +291,14 @@ def make_plan(*, dtype, head_dim: int, seq_len: int, value_head_dim: int | None 
   entry = choose(implementation, call, platform)
   backend = entry.load()
   padded_head, padded_value = entry.head_dims(head_dim, value_head_dim)
-  if block_sizes is None:
-    block_sizes = backend.default_block_sizes(head_dim, seq_len, dtype)
+  if block_sizes is None:  # the tile heuristics see the head dim the kernels run at (MLA's 192 is not 256)
+    block_sizes = backend.default_block_sizes(padded_head, seq_len, dtype)
   elif not isinstance(block_sizes, backend.block_sizes_type):
     raise ValueError(f"block_sizes for implementation={entry.name!r} must be "
                      f"{backend.block_sizes_type.__module__}.BlockSizes; got {type(block_sizes).__name__}")
   if backward_block_sizes is None:
     backward_block_sizes = (block_sizes if backend.backward_block_sizes_type is backend.block_sizes_type
-                            else backend.default_backward_block_sizes(head_dim, seq_len, dtype))
+                            else backend.default_backward_block_sizes(padded_head, seq_len, dtype))
   elif not isinstance(backward_block_sizes, backend.backward_block_sizes_type):
     raise ValueError(f"backward_block_sizes for implementation={entry.name!r} must be "
                      f"{backend.backward_block_sizes_type.__module__}.BlockSizes; got "
