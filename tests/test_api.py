@@ -104,8 +104,9 @@ def test_mla_head_dims_run_unpadded_where_both_kernels_take_them(implementation,
   assert (p.entry.name, p.head_dim, p.value_head_dim) == want
   if want[0] == "pallas_mgpu":  # o shares q's shared memory, so 128-key blocks fit at q·k 192 (256 takes 64)
     assert p.block_sizes.block_kv == 128
-  narrow = plan.make_plan(dtype=jnp.bfloat16, head_dim=160, value_head_dim=100, seq_len=4096, platform=plan.HOPPER)
+  narrow = plan.make_plan(dtype=jnp.bfloat16, head_dim=160, value_head_dim=100, seq_len=32768, platform=plan.HOPPER)
   assert (narrow.entry.name, narrow.head_dim, narrow.value_head_dim) == ("pallas_mgpu", 192, 128)
+  assert narrow.mode is plan.Mode.ONLINE  # no (U, L) kernel at 192: the plan runs MLA online by default
   wide_v = plan.make_plan(dtype=jnp.bfloat16, head_dim=192, value_head_dim=192, seq_len=4096, platform=plan.HOPPER)
   assert (wide_v.entry.name, wide_v.head_dim, wide_v.value_head_dim) == ("pallas_mgpu_triton_bwd", 256, 256)
   with pytest.raises(ValueError, match=r"takes head dims up to 128 \(and the \(q·k, v\) pairs \(\(192, 128\),\)\); "

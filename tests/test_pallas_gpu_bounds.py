@@ -73,7 +73,8 @@ def test_plan_takes_the_kernel_only_for_calls_it_supports():
   assert p.row_bounds_kernel(causal=True, **{**args, "same_length": False}) is None
   ref = plan.make_plan(dtype=jnp.bfloat16, head_dim=64, seq_len=256, bound="blocks", implementation="reference")
   assert ref.row_bounds_kernel(causal=True, **args) is None
-  mla = plan.make_plan(dtype=jnp.bfloat16, head_dim=192, value_head_dim=128, seq_len=32768, platform=plan.HOPPER)
+  mla = plan.make_plan(dtype=jnp.bfloat16, head_dim=192, value_head_dim=128, seq_len=32768, bound="blocks",
+                       implementation="pallas_mgpu", platform=plan.HOPPER)
   assert (mla.head_dim, mla.mode) == (192, plan.Mode.BLOCKS) and mla.row_bounds_kernel(causal=True, **args) is None
 
 

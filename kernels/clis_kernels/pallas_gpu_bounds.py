@@ -60,7 +60,12 @@ def supports(*, causal: bool, packed: bool, window, separate_ids: bool, same_len
   lengths (the own tile), no local window, lengths padded to a multiple of the default rows, and a power-of-two
   head dim (Triton's blocks; MLA's 192 takes the XLA statement)."""
   return window is None and not separate_ids and same_length and multiple % BlockSizes().rows == 0 and (
-      causal or not packed) and head_dim & (head_dim - 1) == 0
+      causal or not packed) and takes_head_dim(head_dim)
+
+
+def takes_head_dim(head_dim: int) -> bool:
+  """Powers of two only (Triton's blocks): MLA's 192 takes the XLA statement."""
+  return head_dim & (head_dim - 1) == 0
 
 
 def _kernel(*refs, causal: bool, has_segments: bool, sigma2: float, block_q: int, heads: int, centres: int,

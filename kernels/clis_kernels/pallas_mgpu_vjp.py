@@ -384,7 +384,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
         return int32_loop(0, num_q_blocks, functools.partial(step, g=g, masked=False), carry)
 
       zeros = lambda width: plgpu.layout_cast(jnp.zeros((ROWS, width), jnp.float32), plgpu.Layout.WGMMA)
-      dk, dv = int32_loop(0, group, head_loop, (zeros(head_dim), zeros(value_head_dim)))
+      dk0 = zeros(head_dim)
+      dk, dv = int32_loop(0, group, head_loop, (dk0, dk0 if value_head_dim == head_dim else zeros(value_head_dim)))
       k_smem.at[wg][...] = (dk * scale).astype(dtype)
       v_smem.at[wg][...] = dv.astype(dtype)
       plgpu.commit_smem()

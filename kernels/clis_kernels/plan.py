@@ -304,8 +304,12 @@ def make_plan(*, dtype, head_dim: int, seq_len: int, value_head_dim: int | None 
                      f"{backend.backward_block_sizes_type.__module__}.BlockSizes; got "
                      f"{type(backward_block_sizes).__name__}")
   narrow = window_keys is not None and window_keys < entry.certify_window_from
-  if implementation is None and (seq_len < entry.certify_from or narrow):
-    stabilizer = "online"  # the automatic choice: certifying cannot pay on rows this short
+  # Where the block bound's (U, L) kernel does not take the head dim, its XLA statement costs more than the certified
+  # loop saves (H200, MLA's 192/128, causal 32k, sink inputs: forward 16.6 ms against 8.2 online; BENCHMARKS.md §1).
+  no_bounds_kernel = entry.certify_from > 0 and entry.row_bounds is not None and not _module(
+      entry.row_bounds).takes_head_dim(padded_head)
+  if implementation is None and (seq_len < entry.certify_from or narrow or no_bounds_kernel):
+    stabilizer = "online"  # the automatic choice: certifying cannot pay on these rows
   if bound is None:
     bound = automatic_bound(entry, seq_len=seq_len, causal=causal, packed=packed, separate_ids=separate_ids,
                             window_or_cap=window_or_cap)
