@@ -176,6 +176,13 @@ def _kv64(q, k, v, seg, causal, stabilizer):
                    block_sizes=pallas_mgpu.BlockSizes(block_kv=64))
 
 
+def _rounded_lse(q, k, v, seg, causal, stabilizer):
+  """The Mosaic GPU forward saving lse from the rounded weights' sum (BlockSizes(exact_lse=False)), as before the
+  unrounded second sum."""
+  return attention(q, k, v, seg, causal=causal, stabilizer=stabilizer, implementation="pallas_mgpu",
+                   block_sizes=pallas_mgpu.BlockSizes(exact_lse=False))
+
+
 def _tokamax_k_start(q, k, v, seg, causal):
   """tokamax's Mosaic GPU flash attention with packed documents as per-row first keys (the trainer's
   attention=tokamax; causal only)."""
@@ -219,6 +226,7 @@ def implementations(names, platform, quick):
       table[f"{stab}_all_blocks"] = functools.partial(_all_blocks, stabilizer=stab)
       table[f"{stab}_exp2_tanh"] = functools.partial(_exp2_tanh, stabilizer=stab)
       table[f"{stab}_kv64"] = functools.partial(_kv64, stabilizer=stab)
+      table[f"{stab}_rounded_lse"] = functools.partial(_rounded_lse, stabilizer=stab)
     table["tokamax_k_start"] = _tokamax_k_start
   fns, notes = {}, []
   for name in names:

@@ -154,13 +154,15 @@ def online_update(acc, m, l, s, v, precision):
   return acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision), m_new, l * alpha + p.sum(axis=1)
 
 
-def write_outputs(acc, m, l, certified, o_ref, lse_ref, tiles_ref):
-  """Normalises and stores o, the base-2 lse and the tile's certificate flag; rows that saw no key
-  get o = 0 and EMPTY_LSE. Returns (empty rows, l with empty rows set to 1)."""
+def write_outputs(acc, m, l, certified, o_ref, lse_ref, tiles_ref, lse_sum=None):
+  """Normalises and stores o, the base-2 lse (from lse_sum where given: a certified tile's unrounded weights,
+  stabilizer.py "Normalisation") and the tile's certificate flag; rows that saw no key get o = 0 and EMPTY_LSE.
+  Returns (empty rows, l with empty rows set to 1)."""
   empty = empty_rows(l, m)
   l_safe = jnp.where(empty, 1.0, l)
   o_ref[...] = jnp.where(empty[:, None], 0.0, acc / l_safe[:, None]).astype(o_ref.dtype)
-  lse_ref[...] = jnp.where(empty, EMPTY_LSE, m + jnp.log2(l_safe))
+  lse_l = l_safe if lse_sum is None else jnp.where(empty, 1.0, lse_sum)
+  lse_ref[...] = jnp.where(empty, EMPTY_LSE, m + jnp.log2(lse_l))
   tiles_ref[...] = jnp.broadcast_to(certified.astype(jnp.int32), (1,))
   return empty, l_safe
 
@@ -189,10 +191,10 @@ def _fwd_kernel(*refs, has_segments: bool, mode: str, causal: bool, sigma2: floa
     return s
 
   def fixed_body(start_k, carry, masked):
-    acc, m, l = carry
+    acc, m, (l, l_lse) = carry
     p = jnp.exp2(scores(start_k, block_k_fixed, masked) - m[:, None])
     acc, l = fixed_update(acc, l, p, v_ref[pl.ds(start_k * block_k_fixed, block_k_fixed), :], precision)
-    return acc, m, l
+    return acc, m, (l, l_lse + p.sum(axis=1))  # the unrounded weights' sum, for lse
 
   def online_body(start_k, carry, masked):
     acc, m, l = carry
@@ -217,15 +219,17 @@ def _fwd_kernel(*refs, has_segments: bool, mode: str, causal: bool, sigma2: floa
     return lax.fori_loop(num_full, num_total, functools.partial(body, masked=True), carry)
 
   def fixed(m0):
-    acc, m, l = run(fixed_body, block_k_fixed, m0, jnp.zeros((block_q, SUM_COLUMNS), jnp.float32))
-    return acc, m, fixed_sum(l)
+    acc, m, (l, l_lse) = run(fixed_body, block_k_fixed, m0, (jnp.zeros((block_q, SUM_COLUMNS), jnp.float32),
+                                                               jnp.zeros((block_q,), jnp.float32)))
+    return acc, m, fixed_sum(l), l_lse
 
   def online():
-    return run(online_body, block_k, jnp.full((block_q,), NEG, jnp.float32), jnp.zeros((block_q,), jnp.float32))
+    acc, m, l = run(online_body, block_k, jnp.full((block_q,), NEG, jnp.float32), jnp.zeros((block_q,), jnp.float32))
+    return acc, m, l, l
 
   if mode == "online":
-    certified = jnp.bool_(False)
-    acc, m, l = online()
+    certified, l_lse = jnp.bool_(False), None
+    acc, m, l = online()[:3]
   else:
     if mode == "keys":  # certificate from this tile's rows, no pre-pass over q
       centre_ref, radius_ref, headroom_ref, threshold_ref = stab_refs
@@ -239,8 +243,8 @@ def _fwd_kernel(*refs, has_segments: bool, mode: str, causal: bool, sigma2: floa
     else:  # "cert": m and the tile's certificate from the XLA pre-pass
       m_ref, cert_ref = stab_refs
       m0, certified = m_ref[...], jnp.sum(cert_ref[...]) > 0
-    acc, m, l = lax.cond(certified, lambda: fixed(m0), online)
-  write_outputs(acc, m, l, certified, o_ref, lse_ref, tiles_ref)
+    acc, m, l, l_lse = lax.cond(certified, lambda: fixed(m0), online)
+  write_outputs(acc, m, l, certified, o_ref, lse_ref, tiles_ref, lse_sum=l_lse)
 
 
 def first_keys(segment_ids, *, rows: int, keys: int):

@@ -78,6 +78,10 @@ class BlockSizes:
   added after the softmax hands the tensor cores over. False sums them unrounded, as the online path does:
   a little faster, and less accurate than the online path on real activations (both measured in BENCHMARKS.md,
   "the certified loop's normaliser").
+  exact_lse: a certified row's saved lse sums its unrounded weights (a second row sum, before the softmax hands the
+  tensor cores over), so the backward's P sums to one; False takes lse from l (the rounded weights' sum, whose
+  rounding enters lse where M sits below the row max: notes/certificate.md). With exact_sum=False l is already
+  the unrounded sum and nothing more is summed.
   sum_on_tensor_cores: that sum as a second wgmma, P·ones against a [block_kv, 16] tile of ones in shared
   memory, issued with P·V (no conversion on the vector units).
   document_ranges: causal packed calls start each CTA's KV loop at the first block that holds a key of its
@@ -98,6 +102,7 @@ class BlockSizes:
   pingpong: bool = True
   overlap: bool = False
   exact_sum: bool = True
+  exact_lse: bool = True
   sum_on_tensor_cores: bool = False
   document_ranges: bool = True
   soft_cap_tanh: str = "approx"
@@ -201,6 +206,7 @@ class _Config:
   overlap: bool
   exact_sum: bool
   tc_sum: bool  # BlockSizes.sum_on_tensor_cores, in a mode with a certified loop
+  lse_sum: bool = False  # certified rows carry the unrounded weights' sum for lse (exact_lse with exact_sum)
   listed: bool = False  # walk a kept-tile list per CTA (temporal skipping; bidirectional, unpacked)
   track: bool = False  # listed: write each visited block's row maxima (the skip marking statistic)
   list_width: int = 0  # listed: entries per list (a power of two); the last holds the count
@@ -600,7 +606,7 @@ def _attend(c: _Config, g: _Refs, s: _Scratch, ss, r: _Rows, fixed: bool, m_fixe
   """The KV loop (certified with M fixed, or online), the release of blocks the other warpgroup
   still streams, and the epilogue."""
   bq, value_head_dim = c.block_q, g.v.shape[-1]
-  if fixed:  # M is loop-invariant: the loop closes over it and carries (acc, l)
+  if fixed:  # M is loop-invariant: the loop closes over it and carries (acc, l, the unrounded sum for lse or None)
     m0 = m_fixed
   else:
     # A finite floor, not −inf: a block whose keys are all masked then leaves m at the floor
@@ -611,8 +617,9 @@ def _attend(c: _Config, g: _Refs, s: _Scratch, ss, r: _Rows, fixed: bool, m_fixe
     plgpu.barrier_wait(s.ones_ready.at[0])
   else:
     l0 = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+  lse0 = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)) if c.lse_sum else None
   carry = (plgpu.layout_cast(jnp.zeros((bq, value_head_dim), jnp.float32), plgpu.Layout.WGMMA),
-           *(() if fixed else (m0,)), l0)
+           *((l0, lse0) if fixed else (m0, l0)))
   plgpu.barrier_wait(s.k_ready.at[0])
   pl.when(r.wg == 1)(r.turn)  # warpgroup 1 starts half a step behind warpgroup 0
   masked_steps = c.causal or c.kv_len is not None or c.window is not None
@@ -628,7 +635,7 @@ def _attend(c: _Config, g: _Refs, s: _Scratch, ss, r: _Rows, fixed: bool, m_fixe
     carry = int32_loop(r.lead, r.full, functools.partial(step, masked=False), carry)
     if masked_steps:
       carry = int32_loop(r.full, r.total, functools.partial(step, masked=True), carry)
-    carry = carry[:2]
+    carry = carry[:3]
   else:
     step = functools.partial(_step, c, s, ss, r, fixed, m0)
     if c.window is not None:
@@ -639,10 +646,10 @@ def _attend(c: _Config, g: _Refs, s: _Scratch, ss, r: _Rows, fixed: bool, m_fixe
   if c.causal:  # blocks the other warpgroup still needs: release them in step with its loop
     int32_loop(r.total, r.cta_blocks, functools.partial(_drain, c, s, ss), None)
   pl.when(r.wg == 0)(r.turn)
-  acc, m, l = (carry[0], m0, carry[1]) if fixed else carry
+  acc, m, l, l_lse = (carry[0], m0, *carry[1:]) if fixed else (*carry, None)
   if fixed and c.tc_sum:
     l = l.sum(axis=1) * (1.0 / SUM_COLUMNS)
-  _epilogue(c, g, s, r, acc, m, l)
+  _epilogue(c, g, s, r, acc, m, l, l_lse)
 
 
 def _visible(c: _Config, s: _Scratch, ss, r: _Rows, qk, i, slot, masked: bool):
@@ -690,7 +697,7 @@ def _capped(c: _Config, qk):
 def _step(c: _Config, s: _Scratch, ss, r: _Rows, fixed: bool, m0, i, carry, masked: bool):
   """One KV block: Q·Kᵀ, the weights (certified: one FMA and one exp2 each; online: running max and
   rescale), P·V; the warpgroups hand the tensor cores over around the softmax when they ping-pong."""
-  acc, m, l = (carry[0], m0, carry[1]) if fixed else carry
+  acc, m, l, l_lse = (carry[0], m0, *carry[1:]) if fixed else (*carry, None)
   slot = lax.rem(i, jnp.int32(c.slots))
 
   def qk_scope(acc_ref):
@@ -708,6 +715,8 @@ def _step(c: _Config, s: _Scratch, ss, r: _Rows, fixed: bool, m0, i, carry, mask
     p_low = p.astype(r.dtype)
     if not c.exact_sum:
       l = l + p.sum(axis=1)  # the unrounded weights: see the module docstring
+    if c.lse_sum:  # lse's sum, unrounded, while p is in registers (BlockSizes.exact_lse)
+      l_lse = l_lse + p.sum(axis=1)
   else:
     m_new = jnp.maximum(m, row_max)
     alpha = jnp.exp2(m - m_new)
@@ -716,7 +725,7 @@ def _step(c: _Config, s: _Scratch, ss, r: _Rows, fixed: bool, m0, i, carry, mask
     l = l * alpha + p.sum(axis=1)
     m, p_low = m_new, p.astype(r.dtype)
   if fixed:
-    acc, l, p_low = lax.optimization_barrier((acc, l, p_low))
+    acc, l, l_lse, p_low = lax.optimization_barrier((acc, l, l_lse, p_low))
   else:
     acc, m, l, p_low = lax.optimization_barrier((acc, m, l, p_low))
   if c.pingpong:
@@ -741,13 +750,13 @@ def _step(c: _Config, s: _Scratch, ss, r: _Rows, fixed: bool, m0, i, carry, mask
   acc, l_new = pl.run_state(pv)((plgpu.ACC.init(acc), plgpu.ACC.init(l) if tc_sum else None))
   l = l_new if tc_sum else l
   plgpu.barrier_arrive(s.v_free.at[slot])
-  return (acc, l) if fixed else (acc, m, l)
+  return (acc, l, l_lse) if fixed else (acc, m, l)
 
 
 def _overlapped_step(c: _Config, s: _Scratch, ss, r: _Rows, m0, i, carry, masked: bool):
   """The certified step with block i+1's Q·Kᵀ issued before block i's exp2 (p_i depends on
   nothing of step i−1, so the tensor cores work while this warpgroup exponentiates)."""
-  acc, l, qk = carry  # qk: block i's logits, already computed
+  acc, l, l_lse, qk = carry  # qk: block i's logits, already computed
   slot, nxt = lax.rem(i, jnp.int32(c.slots)), lax.rem(i + 1, jnp.int32(c.slots))
   qk = _visible(c, s, ss, r, _capped(c, qk), i, slot, masked)
   if c.track:
@@ -762,9 +771,10 @@ def _overlapped_step(c: _Config, s: _Scratch, ss, r: _Rows, m0, i, carry, masked
     p = jnp.exp2(qk * c.sigma2 - lax.broadcast_in_dim(m0, qk.shape, [0]))
     p_low = p.astype(r.dtype)
     new_l = l + (p_low.astype(jnp.float32) if c.exact_sum else p).sum(axis=1)
+    new_lse = l_lse + p.sum(axis=1) if c.lse_sum else None
     plgpu.barrier_wait(s.v_ready.at[slot])
     new_acc = pl.run_state(lambda ref: plgpu.wgmma(ref, p_low, s.v.at[slot]))(plgpu.ACC.init(acc))
-    return new_acc, new_l, next_ref[...]
+    return new_acc, new_l, new_lse, next_ref[...]
 
   carry = pl.run_scoped(scope, plgpu.ACC((c.block_q, c.block_kv), jnp.float32))
   plgpu.barrier_arrive(s.v_free.at[slot])
@@ -793,10 +803,11 @@ def _drain(c: _Config, s: _Scratch, ss, i, _):
   _turn(c, s)
 
 
-def _epilogue(c: _Config, g: _Refs, s: _Scratch, r: _Rows, acc, m, l):
-  """o = acc / l and lse = M + log2 l (padding rows: 0 and EMPTY_LSE) out through shared memory."""
+def _epilogue(c: _Config, g: _Refs, s: _Scratch, r: _Rows, acc, m, l, l_lse=None):
+  """o = acc / l and lse = M + log2 l (l_lse instead where given: the unrounded sum; padding rows: 0 and EMPTY_LSE)
+  out through shared memory."""
   o = acc * lax.broadcast_in_dim(1.0 / l, acc.shape, [0])
-  lse = m + jnp.log2(l)
+  lse = m + jnp.log2(l if l_lse is None else l_lse)
   if c.has_segments:  # padding rows (id 0) see no key: o = 0 and EMPTY_LSE, as every backend
     empty = r.q_ids == 0
     o = jnp.where(lax.broadcast_in_dim(empty, acc.shape, [0]), 0.0, o)
@@ -882,6 +893,7 @@ def _launch(q, k, v, segment_ids, stab, *, mode: Mode, causal, scale, kv_len, bl
       slots=min(bs.slots, num_kv_blocks), kv_len=kv_len, group=num_heads // k.shape[2],
       has_segments=segment_ids is not None, row_centres=row_centres, pingpong=bs.pingpong, overlap=bs.overlap,
       exact_sum=bs.exact_sum, tc_sum=bs.sum_on_tensor_cores and mode != "online", listed=visit is not None,
+      lse_sum=bs.exact_lse and bs.exact_sum and mode != "online",
       track=track and visit is not None, list_width=0 if visit is None else visit.shape[-1],
       doc_ranges=bs.document_ranges and causal and segment_ids is not None and visit is None and window is None,
       window=None if window is None else tuple(int(w) for w in window),

@@ -150,13 +150,17 @@ def block_mask(q_block, kv_block, qseg_ref, kseg_ref, *, causal, kv_len, block_q
                        q_seg, k_seg, causal=causal, kv_len=kv_len, window=window)
 
 
-def tile_update(s, v, m_scr, l_scr, acc_scr, *, fixed: bool, precision):
+def tile_update(s, v, m_scr, l_scr, acc_scr, *, fixed: bool, precision, lse_scr=None):
   """Adds one kv tile (base-2 logits s [bq, bk], values v [bk, D]) to the f32 scratch
-  accumulators; returns the stabilizer in force after it ([bq, 1])."""
+  accumulators; returns the stabilizer in force after it ([bq, 1]). lse_scr: where a certified tile sums its
+  unrounded weights for lse (stabilizer.py, "Normalisation"), or None."""
   m_prev = m_scr[...]
   if fixed:  # the stabilizer is loop-invariant: no max, no rescale
-    p = jnp.exp2(s - m_prev).astype(v.dtype)  # l sums the weights that multiplied V
+    p32 = jnp.exp2(s - m_prev)
+    p = p32.astype(v.dtype)  # l sums the weights that multiplied V
     l_scr[...] += p.astype(jnp.float32).sum(axis=1, keepdims=True)
+    if lse_scr is not None:
+      lse_scr[...] += p32.sum(axis=1, keepdims=True)
     acc_scr[...] += nn_dot(p, v, precision)
     return m_prev
   m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
@@ -168,14 +172,15 @@ def tile_update(s, v, m_scr, l_scr, acc_scr, *, fixed: bool, precision):
   return m_new
 
 
-def finish(acc_scr, m_scr, l_scr, o_ref, lse_ref):
-  """o = acc / l and lse = M + log2 l; rows that saw no key get 0 and EMPTY_LSE. Returns
-  (empty [bq, 1], l with 1 on empty rows)."""
+def finish(acc_scr, m_scr, l_scr, o_ref, lse_ref, lse_sum=None):
+  """o = acc / l and lse = M + log2 l (lse_sum: a certified tile's unrounded sum [bq, 1] instead, or None); rows that
+  saw no key get 0 and EMPTY_LSE. Returns (empty [bq, 1], l with 1 on empty rows)."""
   l, m = l_scr[...], m_scr[...]
   empty = empty_rows(l, m)
   l_safe = jnp.where(empty, 1.0, l)
   o_ref[...] = jnp.where(empty, 0.0, acc_scr[...] / l_safe).astype(o_ref.dtype)
-  lse_ref[...] = jnp.where(empty, EMPTY_LSE, m + jnp.log2(l_safe))
+  lse_l = l_safe if lse_sum is None else jnp.where(empty, 1.0, lse_sum)
+  lse_ref[...] = jnp.where(empty, EMPTY_LSE, m + jnp.log2(lse_l))
   return empty, l_safe
 
 
@@ -184,7 +189,8 @@ def _fwd_kernel(cert_ref, *refs, has_segments, fixed_mode, causal, sigma2, block
   first_ref, refs = (refs[0], refs[1:]) if doc_ranges else (None, refs)
   q_ref, k_ref, v_ref = refs[:3]
   qseg_ref, kseg_ref = refs[3:5] if has_segments else (None, None)
-  m_in_ref, o_ref, lse_ref, acc_scr, m_scr, l_scr = refs[-6:]
+  m_in_ref, o_ref, lse_ref, acc_scr, m_scr, l_scr = refs[-6 - fixed_mode:len(refs) - fixed_mode]
+  lse_scr = refs[-1] if fixed_mode else None  # a certified tile's unrounded sum, for lse
   b, h, i, j = (pl.program_id(a) for a in range(4))
   if fixed_mode:
     certified = cert_ref[(b * num_heads + h) * num_q_blocks + i] != 0
@@ -195,6 +201,8 @@ def _fwd_kernel(cert_ref, *refs, has_segments, fixed_mode, causal, sigma2, block
   def _init():
     m_scr[...] = jnp.where(certified, m_in_ref[...], NEG)
     l_scr[...] = jnp.zeros_like(l_scr)
+    if fixed_mode:
+      lse_scr[...] = jnp.zeros_like(lse_scr)
     acc_scr[...] = jnp.zeros_like(acc_scr)
 
   rule = dict(causal=causal, kv_len=kv_len, window=window)
@@ -204,7 +212,7 @@ def _fwd_kernel(cert_ref, *refs, has_segments, fixed_mode, causal, sigma2, block
     if masked:
       mask = block_mask(i, j, qseg_ref, kseg_ref, block_q=block_q, block_k=block_k, **rule)
       s = jnp.where(mask, s, NEG)
-    tile_update(s, v_ref[...], m_scr, l_scr, acc_scr, fixed=fixed, precision=precision)
+    tile_update(s, v_ref[...], m_scr, l_scr, acc_scr, fixed=fixed, precision=precision, lse_scr=lse_scr)
 
   runs, needs_mask = block_flags(i, j, has_segments=has_segments, block_q=block_q, block_k=block_k, **rule)
   if doc_ranges:  # blocks before the rows' documents' first key hold none of their keys
@@ -216,7 +224,8 @@ def _fwd_kernel(cert_ref, *refs, has_segments, fixed_mode, causal, sigma2, block
 
   @pl.when(j == num_kv_blocks - 1)
   def _finish():
-    finish(acc_scr, m_scr, l_scr, o_ref, lse_ref)
+    finish(acc_scr, m_scr, l_scr, o_ref, lse_ref,
+           lse_sum=jnp.where(certified, lse_scr[...], l_scr[...]) if fixed_mode else None)
 
 
 def to_head_major(x):
@@ -282,7 +291,8 @@ def forward(q, k, v, segment_ids, stab: Certificate | None, *, mode: Mode, causa
           grid=(batch, num_heads, nq, nk),
           in_specs=in_specs,
           out_specs=[pl.BlockSpec((None, None, bq, head_dim), q_index), pl.BlockSpec((None, None, bq, 1), q_index)],
-          scratch_shapes=[pltpu.VMEM((bq, head_dim), jnp.float32)] + [pltpu.VMEM((bq, 1), jnp.float32)] * 2),
+          scratch_shapes=[pltpu.VMEM((bq, head_dim), jnp.float32)] + [pltpu.VMEM((bq, 1), jnp.float32)] * (
+              2 + fixed_mode)),
       out_shape=[out_struct((batch, num_heads, seq, head_dim), q.dtype, q),
                  out_struct((batch, num_heads, seq, 1), jnp.float32, q)],
       compiler_params=compiler_params(("parallel", "parallel", "parallel", "arbitrary"), interpret),

@@ -114,7 +114,7 @@ def forward_with_tiles(q, k, v, segment_ids, cert, *, causal, scale, kv_len, blo
     m0 = jnp.where(fixed, to_rows(cert.m), NEG)
 
   def step(carry, xs):
-    acc, m, l = carry
+    acc, m, l, l_lse = carry  # l_lse: certified rows' unrounded sum for lse (None without a certificate)
     u, k_u, v_u = xs
     s = jnp.einsum("bqhgd,bkhd->bqhgk", qg, k_u, precision=prec, preferred_element_type=jnp.float32) * sigma2
     s = soft_cap(s, cap2)
@@ -128,19 +128,21 @@ def forward_with_tiles(q, k, v, segment_ids, cert, *, causal, scale, kv_len, blo
     p = jnp.exp2(s - m_new[..., None])
     p_lo = p.astype(v.dtype)
     pv = jnp.einsum("bqhgk,bkhd->bqhgd", p_lo, v_u, precision=prec, preferred_element_type=jnp.float32)
-    # Fixed rows sum the weights that multiplied V (see stabilizer.py).
+    # Fixed rows normalise by the weights that multiplied V and save lse from the unrounded ones (stabilizer.py).
     row_sum = jnp.where(fixed, p_lo.astype(jnp.float32).sum(-1), p.sum(-1))
-    return (acc * alpha[..., None] + pv, m_new, l * alpha + row_sum), (s.max(-1) - m_new if tile_gap else None)
+    l_lse = None if l_lse is None else l_lse * alpha + p.sum(-1)
+    return (acc * alpha[..., None] + pv, m_new, l * alpha + row_sum, l_lse), (s.max(-1) - m_new if tile_gap else None)
 
-  init = jax.tree.map(lambda x: varying_like(x, q), (jnp.zeros(qg.shape, jnp.float32), m0, jnp.zeros(m0.shape)))
+  init = jax.tree.map(lambda x: varying_like(x, q), (jnp.zeros(qg.shape, jnp.float32), m0, jnp.zeros(m0.shape),
+                                                     None if cert is None else jnp.zeros(m0.shape)))
   nk = k.shape[1] // bk
   if tile_skip is not None:  # [B, Hq, nq, nk] -> per kv tile, per row: [nk, B, S, Hkv, G]
     skip_rows = jax.vmap(to_rows, in_axes=-1)(jnp.repeat(tile_skip, block_sizes.block_q, axis=2))
-  (acc, m, l), maxima = jax.lax.scan(step, init, (jnp.arange(nk), _kv_blocks(k, bk), _kv_blocks(v, bk)))
+  (acc, m, l, l_lse), maxima = jax.lax.scan(step, init, (jnp.arange(nk), _kv_blocks(k, bk), _kv_blocks(v, bk)))
   empty = empty_rows(l, m)
   l_safe = jnp.where(empty, 1.0, l)
   o = jnp.where(empty[..., None], 0.0, acc / l_safe[..., None])
-  lse = jnp.where(empty, EMPTY_LSE, m + jnp.log2(l_safe))
+  lse = jnp.where(empty, EMPTY_LSE, m + jnp.log2(l_safe if l_lse is None else jnp.where(empty, 1.0, l_lse)))
   heads_first = lambda x: x.reshape(b, sq, hq).transpose(0, 2, 1)
   gap = None
   if tile_gap:  # [nk, B, S, Hkv, G] -> [B, Hq, S, nk]

@@ -91,8 +91,11 @@ rounded weights, so the output is an exact weighted mean of V under slightly per
 weights (the online path gets this for free for its dominant weight, 2^0 = 1, which rounds
 exactly; a fixed stabilizer puts the dominant weight anywhere, and dividing by the unrounded
 sum cost bf16 accuracy against the online path, on every backend that tried it: BENCHMARKS.md, "the
-certified loop's normaliser"). The saved lse uses the same sum. The Mosaic GPU kernel can trade this for
-a little speed (pallas_mgpu.BlockSizes(exact_sum=False)).
+certified loop's normaliser"). The saved lse sums the unrounded weights (a second row sum): where M sits below the
+row max the dominant weight is not 1 and its rounding would enter lse, and with it every P the backward recomputes
+(notes/certificate.md; BENCHMARKS.md, "the accurate lse"). The Mosaic GPU kernel can trade either sum for a little
+speed (pallas_mgpu.BlockSizes(exact_sum=False) normalises by the unrounded sum; exact_lse=False saves lse from the
+rounded one).
 
 Certificate. A row passes when U_i − L_i ≤ min(τ·log2 e, h + T), τ being the user's cap in
 natural-log units. τ bounds |t − M| for the row's dominant terms (t_max − M ≥ h − (U − L)), and exp2
