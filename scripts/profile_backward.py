@@ -1,7 +1,10 @@
 """The Hopper backward split into its parts, each timed alone against cuDNN's whole backward: Δ = rowsum(dO ∘ O)
 and the kernels' arguments (XLA), the dQ kernel, the dK/dV kernel, and our whole backward (all of it), each in
-TFLOP/s, variants interleaved (clis_train/benchmarking.py). Work counted in forward-matmul units F = 4·B·Hq·S²·D
-(half when causal): dQ kernel 1.5 F (S, dP, dQ), dK/dV kernel 2 F (S, dP, dV, dK), whole backward 2.5 F.
+TFLOP/s, variants interleaved (clis_train/benchmarking.py). Work counts each part's matmuls, 2·B·Hq·S² times the
+head dim each contracts or produces (half when causal): dQ kernel S, dP, dQ (2·D + Dv), dK/dV kernel S, dP, dV, dK
+(2·D + 2·Dv), whole backward 3·D + 2·Dv; with Dv = D these are 1.5, 2 and 2.5 forward's worth. --value-dim gives v
+and dO their own head dim (MLA: --heads 16 16 192 --value-dim 128), compared with tokamax's backward where cuDNN
+refuses it.
 
   python scripts/profile_backward.py --seq-lens 8192 16384 32768 --tokens 32768 --out benchmarks/results/x.json
 """
@@ -18,18 +21,19 @@ from clis_kernels import masks, pallas_mgpu_vjp, plan as plan_lib
 from clis_train import benchmarking
 
 
-def _case(b, s, hq, hkv, d, causal, packed, fused, seed=0):
+def _case(b, s, hq, hkv, d, causal, packed, fused, seed=0, dv=None):
   """{part: zero-argument callable} for one shape, the forward's o and lse made once beforehand."""
+  dv = d if dv is None else dv
   kq, kk, kv, kd, kc = jax.random.split(jax.random.PRNGKey(seed), 5)
   q = jax.random.normal(kq, (b, s, hq, d), jnp.bfloat16)
   k = (jax.random.normal(kk, (b, s, hkv, d)) + jax.random.normal(kc, (1, 1, hkv, d))).astype(jnp.bfloat16)
-  v = jax.random.normal(kv, (b, s, hkv, d), jnp.bfloat16)
-  do = jax.random.normal(kd, (b, s, hq, d), jnp.bfloat16)
+  v = jax.random.normal(kv, (b, s, hkv, dv), jnp.bfloat16)
+  do = jax.random.normal(kd, (b, s, hq, dv), jnp.bfloat16)
   seg = None
   if packed:  # documents of ~1000 tokens, as bench_attention's --doc-len 1000
     ids = jnp.cumsum(jax.random.bernoulli(kc, 1e-3, (b, s)).astype(jnp.int32), axis=1) + 1
     seg = masks.SegmentIds(ids, ids)
-  plan = plan_lib.make_plan(dtype=q.dtype, head_dim=d, seq_len=s, stabilizer="online", causal=causal,
+  plan = plan_lib.make_plan(dtype=q.dtype, head_dim=d, value_head_dim=dv, seq_len=s, stabilizer="online", causal=causal,
                             packed=packed, implementation="pallas_mgpu",
                             backward_block_sizes=pallas_mgpu_vjp.BlockSizes(fused_dq=fused))
   scale = d ** -0.5
@@ -51,15 +55,22 @@ def _case(b, s, hq, hkv, d, causal, packed, fused, seed=0):
     parts["dq_kernel"] = jax.jit(lambda *a: launches(*a).dq())
     parts["dkv_kernel"] = jax.jit(lambda *a: launches(*a).dkv())
   fns = {name: functools.partial(f, *args) for name, f in parts.items()}
-  if not packed:  # cuDNN's backward alone, from its own forward's residuals
-    vjp = jax.jit(lambda q, k, v: jax.vjp(lambda a, b_, c: jax.nn.dot_product_attention(
-        a, b_, c, is_causal=causal, implementation="cudnn"), q, k, v)[1])(q, k, v)
-    fns["cudnn_backward"] = functools.partial(jax.jit(lambda fn, do: fn(do)), vjp, do)
+  if not packed:  # cuDNN's backward alone (tokamax's where cuDNN takes no such v), from its own forward's residuals
+    if dv == d:
+      other, name = (lambda a, b_, c: jax.nn.dot_product_attention(a, b_, c, is_causal=causal,
+                                                                   implementation="cudnn")), "cudnn_backward"
+    else:
+      import tokamax  # optional: scripts/h200/env.sh installs it from .whl/
+      other, name = (lambda a, b_, c: tokamax.dot_product_attention(a, b_, c, is_causal=causal,
+                                                                    implementation="mosaic")), "tokamax_backward"
+    vjp = jax.jit(lambda q, k, v: jax.vjp(other, q, k, v)[1])(q, k, v)
+    fns[name] = functools.partial(jax.jit(lambda fn, do: fn(do)), vjp, do)
   return fns
 
 
-WORK = {"delta_and_args": None, "dq_kernel": 1.5, "dkv_kernel": 2.0, "fused_kernel": 2.5, "backward": 2.5,
-        "cudnn_backward": 2.5}
+def work_dims(name: str, d: int, dv: int) -> int | None:
+  """The head dims a part's matmuls sum to (each matmul is 2·B·Hq·S² times its dim, half when causal)."""
+  return {"delta_and_args": None, "dq_kernel": 2 * d + dv, "dkv_kernel": 2 * d + 2 * dv}.get(name, 3 * d + 2 * dv)
 
 
 def main():
@@ -67,6 +78,7 @@ def main():
   parser.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 16384, 32768])
   parser.add_argument("--tokens", type=int, default=32768, help="batch = tokens // S")
   parser.add_argument("--heads", type=int, nargs=3, default=[32, 8, 128], metavar=("HQ", "HKV", "D"))
+  parser.add_argument("--value-dim", type=int, default=None, metavar="DV", help="v's head dim (MLA), default D")
   parser.add_argument("--causal", choices=["yes", "no"], default="yes")
   parser.add_argument("--packed", action="store_true", help="documents of ~1000 tokens (no cuDNN comparison)")
   parser.add_argument("--fused", action="store_true", help="the one-kernel backward instead of the two kernels")
@@ -75,22 +87,24 @@ def main():
   parser.add_argument("--out", default=None)
   args = parser.parse_args()
   hq, hkv, d = args.heads
+  dv = args.value_dim or d
   causal = args.causal == "yes"
   meta, records = benchmarking.device_meta(), []
   for s in args.seq_lens:
     b = max(1, args.tokens // s)
-    fns = _case(b, s, hq, hkv, d, causal, args.packed, args.fused)
+    fns = _case(b, s, hq, hkv, d, causal, args.packed, args.fused, dv=dv)
     timings = benchmarking.interleaved_medians(fns, repeats=args.repeats, inner=args.inner)
-    flops = 4 * b * hq * s * s * d * (0.5 if causal else 1.0)
-    case = f"bwd_parts_{'causal' if causal else 'bidir'}{'_packed' if args.packed else ''}_H{hq}-{hkv}_D{d}_S{s}"
+    per_dim = 2 * b * hq * s * s * (0.5 if causal else 1.0)  # one matmul's FLOPs per unit of head dim
+    case = (f"bwd_parts_{'causal' if causal else 'bidir'}{'_packed' if args.packed else ''}_H{hq}-{hkv}_D{d}"
+            f"{'' if dv == d else f'_Dv{dv}'}_S{s}")
     for name, (med, lo, hi) in timings.items():
-      units = WORK[name]
-      records.append(dict(case=case, impl=name, **{"pass": "bwd"}, ms=med, ms_min=lo, ms_max=hi,
-                          tflops=None if units is None else units * flops / med / 1e9, B=b, S=s, Hq=hq, Hkv=hkv,
-                          D=d, causal=causal, packed=args.packed, fused=args.fused, repeat=args.repeats,
-                          inner=args.inner, **meta))
-      print(f"{case} {name}: {med:.3f} ms [{lo:.3f}, {hi:.3f}]"
-            + ("" if units is None else f"  {units * flops / med / 1e9:.0f} TFLOP/s"), flush=True)
+      dims = work_dims(name, d, dv)
+      tflops = None if dims is None else dims * per_dim / med / 1e9
+      records.append(dict(case=case, impl=name, **{"pass": "bwd"}, ms=med, ms_min=lo, ms_max=hi, tflops=tflops, B=b,
+                          S=s, Hq=hq, Hkv=hkv, D=d, Dv=dv, causal=causal, packed=args.packed, fused=args.fused,
+                          repeat=args.repeats, inner=args.inner, **meta))
+      print(f"{case} {name}: {med:.3f} ms [{lo:.3f}, {hi:.3f}]" + ("" if tflops is None else f"  {tflops:.0f} TFLOP/s"),
+            flush=True)
   out = args.out or benchmarking.default_output("profile_backward")
   benchmarking.write_report(records, out)
   print(benchmarking.markdown_table(records))

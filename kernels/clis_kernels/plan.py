@@ -153,7 +153,9 @@ def _function(path: str, default: str):
 # Below this many keys certifying does not pay on every input (H200, B x S = 32k tokens, BENCHMARKS.md
 # issue 16: at causal 8k the one-radius bound gains on Gaussian keys but loses on sink/outlier-shaped
 # ones, where it certifies nothing, and the block bound does not gain on either), so
-# implementation=None runs shorter calls online; naming the backend certifies at every length.
+# implementation=None runs shorter calls online; naming the backend certifies at every length. To re-measure: since
+# certified rows save lse from a second, unrounded sum (pallas_mgpu.BlockSizes.exact_lse), the default at 32k on
+# sink-shaped inputs ran 0.978x (causal) and 0.995x (bidirectional) our online loop (BENCHMARKS.md §3).
 CERTIFY_FROM_MGPU = 16384
 # A local window narrower than this many keys per row runs online by default on Hopper: the certificate's pre-pass
 # reads all of K and V while the windowed kernel reads only the band, so it costs more than it saves on narrow

@@ -7,6 +7,10 @@
 #   sweep FAMILY PACKED  forward and forward+backward, clis against online, 1k-64k, causal and bidirectional
 #   bidir FAMILY       bidirectional 32k H 12 and 75,600 H 40 forward: clis, online, cuDNN
 #   diffusion          the example DiT's sampler: dense XLA, cuDNN, clis, clis with skipping
+#   mla                MLA's q·k 192 / v 128 (16/16 heads), 8k and 32k: forward and fwd+bwd against tokamax
+#   mla_bwd_parts      the backward's parts at MLA's dims against tokamax's backward, 8k and 32k
+#   lse FAMILY         the certified forward with the unrounded lse sum (default) against the rounded one and the
+#                      online loop, 16k-64k, causal and bidirectional (re-deciding the Hopper certify rule)
 #   context_parallel [N]  context-parallel attention over N GPUs (default 1: the machinery's cost on one) against
 #                      one GPU, CLiS combine against an online ring: causal 32k GQA 32/8 D 128, sinks
 case "$1" in
@@ -34,10 +38,21 @@ case "$1" in
     TAIL=10 step diffusion 400 python3 -m scripts.bench_diffusion --weights examples/video_dit/weights.safetensors \
         --impls xla cudnn clis clis_skip --schedules " -14:-8" " -10:-4" --repeats 2 --inner 2 \
         --out "$OUT/diffusion.json" ;;
+  mla)
+    TAIL=20 step mla 330 python3 scripts/bench_attention.py --suite llm --llm-heads 16 16 192 --value-dim 128 \
+        --seq-lens 8192 32768 --tokens 32768 --causal yes --packed no --inputs sinks_many --passes fwd fwd_bwd \
+        --impls clis online online_kv64 tokamax_mosaic --repeats 9 --inner 3 --out "$OUT/mla.json" ;;
+  mla_bwd_parts)
+    TAIL=20 step mla_bwd_parts 300 python3 scripts/profile_backward.py --heads 16 16 192 --value-dim 128 \
+        --seq-lens 8192 32768 --tokens 32768 --out "$OUT/mla_bwd_parts.json" ;;
+  lse)
+    TAIL=20 step "lse_$2" 500 python3 scripts/bench_attention.py --suite llm --seq-lens 16384 32768 65536 \
+        --tokens 32768 --causal both --packed no --inputs "$2" --passes fwd fwd_bwd \
+        --impls clis_mgpu clis_rounded_lse online_mgpu --repeats 7 --inner 3 --out "$OUT/lse_$2.json" ;;
   context_parallel)
     TAIL=12 step "context_parallel_${2:-1}" 300 python3 scripts/bench_context_parallel.py --seq 32768 \
         --heads 32 8 128 --context "${2:-1}" --family sinks_many --repeats 5 --inner 3 \
         --out "$OUT/context_parallel_${2:-1}.json" ;;
-  *) echo "usage: bench_kernels.sh bwd_parts|llm_d128|llm_d64|sweep FAMILY PACKED|bidir FAMILY|diffusion|"\
-"context_parallel [N]"; exit 2 ;;
+  *) echo "usage: bench_kernels.sh bwd_parts|llm_d128|llm_d64|sweep FAMILY PACKED|bidir FAMILY|diffusion|mla|"\
+"mla_bwd_parts|lse FAMILY|context_parallel [N]"; exit 2 ;;
 esac
