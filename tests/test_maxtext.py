@@ -73,12 +73,15 @@ def test_matches_maxtext_dot_product_with_packed_segments(config, kernel, layout
   assert ref.rel_err(jnp.where(real, out, 0), exact) < 2e-5
 
 
-@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
-def test_context_parallelism_matches_one_device(config, strategy):
+@pytest.mark.parametrize("strategy,value_dim", [("ring", D), ("all_gather", D), ("ring", 32)],
+                         ids=["ring", "all_gather", "ring_mla"])
+def test_context_parallelism_matches_one_device(config, strategy, value_dim):
   """MaxText's context axis (length sharded two ways, its load-balanced dual-chunk-swap order): the adapter runs
-  clis_kernels.context_parallel, and the result in natural order equals MaxText's dot_product on one device."""
+  clis_kernels.context_parallel, and the result in natural order equals MaxText's dot_product on one device; with
+  MLA's value head dim too (v 32 where q·k is 64)."""
   from maxtext.utils import max_utils
   q, k, v, seg = _inputs()
+  v = v[..., :value_dim]
   cp_config = pyconfig.initialize([None, os.path.join(os.path.dirname(maxtext.__file__), "configs", "base.yml"),
                                    "run_name=clis_test", "attention=clis", "skip_jax_distributed_system=true",
                                    "enable_checkpointing=false", f"max_target_length={S}",
@@ -90,7 +93,7 @@ def test_context_parallelism_matches_one_device(config, strategy):
   order = lambda x: max_utils.reorder_sequence(x, cp_size=2, seq_dim=1)
   natural = lambda x: max_utils.reorder_sequence(x, cp_size=2, seq_dim=1, to_contiguous=True)
   real = (seg != 0)[:, :, None, None]
-  do = jnp.where(real, jax.random.normal(jax.random.PRNGKey(9), q.shape), 0.0)
+  do = jnp.where(real, jax.random.normal(jax.random.PRNGKey(9), q.shape[:3] + (value_dim,)), 0.0)
   out, vjp = _run(cp_config, mesh, "clis", *map(order, (q, k, v, seg)), jit=True)
   want_out, want_vjp = _run(config, _mesh(config), "dot_product", q, k, v, seg)
   assert ref.rel_err(jnp.where(real, natural(out), 0), jnp.where(real, want_out, 0)) < 2e-5

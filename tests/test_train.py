@@ -231,6 +231,15 @@ def test_context_parallel_training_matches_one_device(tmp_path, strategy):
   assert min(certified) > 0.5, certified
 
 
+def test_context_parallel_training_of_an_mla_model_matches_one_device(tmp_path):
+  """A DeepSeek-shaped model (model.preset=deepseek_tiny: v's head dim other than q·k's) with mesh.context=2."""
+  common = ["train.steps=2", "train.log_every=1", "attention=clis", "data.seq_len=128", "model.preset=deepseek_tiny"]
+  one = Trainer(config(tmp_path / "one", *common, "data.per_device_batch=1")).run()
+  split = Trainer(config(tmp_path / "split", *common, "mesh.data=1", "mesh.context=2", "data.per_device_batch=1"))
+  assert split.mesh.shape["context"] == 2 and split.dims.value_dim != split.dims.head_dim
+  np.testing.assert_allclose(losses(split.run()), losses(one), rtol=2e-4)
+
+
 def test_context_parallelism_needs_a_combining_attention(tmp_path):
   with pytest.raises(ConfigError, match="mesh.context=2 needs attention clis or online"):
     config(tmp_path, "mesh.context=2", "attention=dot_product")

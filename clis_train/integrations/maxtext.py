@@ -129,8 +129,7 @@ def _context_parallel(op, mesh, qkv, query, key, value, segment_ids, stabilizer,
                  strategy not in context_parallel.STRATEGIES,
              "the striped reorder strategy": config.context_parallel_reorder_strategy == ReorderStrategy.STRIPED,
              "a sliding window": window is not None, "learned sinks": sinks is not None,
-             "separate key segment ids": kv_segment_ids is not None,
-             "a value head dim other than the query's": value.shape[-1] != query.shape[-1]}
+             "separate key segment ids": kv_segment_ids is not None}
   bad = [name for name, present in refused.items() if present]
   if bad:
     raise NotImplementedError(f"attention={op.attention_kernel} with context parallelism does not support "

@@ -102,7 +102,7 @@ def _pair_ids(q_ids, k_ids):
 
 
 def _partial_forward(static, q, k, v, q_ids, k_ids, cert, kind):
-  """(o [B, c, Hq, D] f32, lse [B, Hq, c]) of q against one key chunk; kind NONE gives lse = EMPTY_LSE."""
+  """(o [B, c, Hq, Dv] f32, lse [B, Hq, c]) of q against one key chunk; kind NONE gives lse = EMPTY_LSE."""
   plan = static.plan
 
   def run(causal):
@@ -114,8 +114,8 @@ def _partial_forward(static, q, k, v, q_ids, k_ids, cert, kind):
     return call
 
   def skip():
-    b, c, hq, d = q.shape
-    return (varying_like(jnp.zeros((b, c, hq, d), jnp.float32), q),
+    b, c, hq, _ = q.shape
+    return (varying_like(jnp.zeros((b, c, hq, v.shape[-1]), jnp.float32), q),
             varying_like(jnp.full((b, hq, c), EMPTY_LSE, jnp.float32), q))
 
   return jax.lax.switch(kind, (skip, run(False), run(static.causal)))
@@ -135,13 +135,13 @@ def _partial_backward(static, q, k, v, q_ids, k_ids, o, lse, do, kind):
 
 
 class _Rows:
-  """One query chunk's running combination: acc [B, c, Hq, D] f32, m and l [B, Hq, c]; `fixed` [B, Hq, c]
+  """One query chunk's running combination: acc [B, c, Hq, Dv] f32, m and l [B, Hq, c]; `fixed` [B, Hq, c]
   rows (certified) keep m = M, so their partials add with no rescale; the others take the online max."""
 
-  def __init__(self, q, fixed, m_fixed):
-    b, c, hq, d = q.shape
+  def __init__(self, q, fixed, m_fixed, value_head_dim: int):
+    b, c, hq, _ = q.shape
     self.fixed = fixed
-    self.acc = jnp.zeros((b, c, hq, d), jnp.float32)
+    self.acc = jnp.zeros((b, c, hq, value_head_dim), jnp.float32)
     self.m = jnp.full(fixed.shape, NEG) if m_fixed is None else jnp.where(fixed, m_fixed, NEG)
     self.l = jnp.zeros((b, hq, c), jnp.float32)
 
@@ -290,7 +290,7 @@ def _forward(static, q, k, v, ids):
       fixed = jnp.zeros((q.shape[0], q.shape[2], qc.shape[1]), bool)
     else:
       fixed = jnp.repeat(cert.certified, static.plan.tile, axis=-1)
-    rows.append(_Rows(qc, fixed, None if cert is None else cert.m))
+    rows.append(_Rows(qc, fixed, None if cert is None else cert.m, v.shape[-1]))
   for shard, ks, vs, kids in _ring_shards(static, k, v, ids):
     for k_slot, (kc, vc, kid) in enumerate(zip(_split(ks), _split(vs), _split(kids))):
       k_chunk = static.chunks_of(shard)[k_slot]
@@ -362,7 +362,7 @@ def context_parallel_attention(q, k, v, segment_ids=None, *, axis_name: str, cau
   the block bound). combine: "clis" (certified rows add the partials under one stabilizer) or "online" (every
   row the online way). strategy: "ring" or "all_gather" (module docstring). layout: "zigzag" (device r holds
   chunks r and 2n − 1 − r: MaxText's dual-chunk swap) or "contiguous" (the sequence in device order: no causal
-  load balance). Returns the output [B, 2c, Hq, D]
+  load balance). v's head dim Dv may differ from q's (MLA). Returns the output [B, 2c, Hq, Dv]
   (and with return_stats=True this device's AttentionStats).
   """
   check_inputs(q, k, v, segment_ids, causal, stabilizer, "tile", tau, logits_soft_cap=logits_soft_cap)
@@ -375,11 +375,10 @@ def context_parallel_attention(q, k, v, segment_ids=None, *, axis_name: str, cau
   if isinstance(segment_ids, masks.SegmentIds):
     raise ValueError("context parallelism takes one segment_ids array [B, S] for queries and keys (packed "
                      "documents); separate SegmentIds(q=..., kv=...) are not supported")
-  if v.shape[-1] != q.shape[-1]:
-    raise ValueError(f"context parallelism needs v's head dim equal to q's; got {q.shape[-1]=}, {v.shape[-1]=}")
   shards = jax.lax.axis_size(axis_name)
   local = q.shape[1]
-  plan = plan_lib.make_plan(dtype=q.dtype, head_dim=q.shape[-1], seq_len=local // 2, stabilizer=stabilizer,
+  plan = plan_lib.make_plan(dtype=q.dtype, head_dim=q.shape[-1], value_head_dim=v.shape[-1], seq_len=local // 2,
+                            stabilizer=stabilizer,
                             bound="blocks", causal=bool(causal), packed=segment_ids is not None,
                             separate_ids=segment_ids is not None, window_or_cap=logits_soft_cap is not None,
                             implementation=implementation, block_sizes=block_sizes,
@@ -390,6 +389,8 @@ def context_parallel_attention(q, k, v, segment_ids=None, *, axis_name: str, cau
   if plan.head_dim != q.shape[-1]:
     raise ValueError(f"context parallelism runs kernels at their own head dims; head_dim={q.shape[-1]} would be "
                      f"padded to {plan.head_dim}: use implementation='pallas_gpu' or 'reference'")
+  value_head_dim = v.shape[-1]  # MLA: v pads with zero columns to the plan's (none where the kernels take the pair)
+  v = api.pad_axis(v, 3, to=plan.value_head_dim)
   static = _Static(plan, axis_name, shards, bool(causal), float(scale) if scale is not None else
                    1.0 / math.sqrt(q.shape[-1]), None if logits_soft_cap is None else float(logits_soft_cap),
                    certificate.default_tau(q.dtype) if tau is None else float(tau), strategy, combine,
@@ -401,6 +402,7 @@ def context_parallel_attention(q, k, v, segment_ids=None, *, axis_name: str, cau
     pad = lambda x: jnp.concatenate([api.pad_seq(c, plan.multiple) for c in _split(x)], axis=1)
     q, k, v, ids = (pad(x) for x in (q, k, v, ids))
   out, tiles = _context_parallel(static, q, k, v, ids)
+  out = out[..., :value_head_dim]
   if padded != chunk:
     out = jnp.concatenate([c[:, :chunk] for c in _split(out)], axis=1)
   if not return_stats:
