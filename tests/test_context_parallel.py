@@ -235,7 +235,7 @@ def test_a_partial_with_no_visible_key_adds_nothing():
   q = jnp.zeros((1, 4, 2, 8))
   o1, lse1 = jax.random.normal(jax.random.PRNGKey(0), q.shape), jax.random.normal(jax.random.PRNGKey(1), (1, 2, 4))
   for fixed in (False, True):
-    rows = cp._Rows(q, jnp.full((1, 2, 4), fixed), jnp.full((1, 2, 4), 3.0))
+    rows = cp._Rows(q, jnp.full((1, 2, 4), fixed), jnp.full((1, 2, 4), 3.0), q.shape[-1])
     rows.add(o1, lse1)
     for o, lse in ((jnp.zeros(q.shape), cp.EMPTY_LSE), (jnp.full(q.shape, jnp.nan), -jnp.inf),
                    (jnp.ones(q.shape), cp.NEG + 7.0)):
