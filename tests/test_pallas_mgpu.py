@@ -353,6 +353,18 @@ WIDE_CASES = [
 ]
 
 
+def _errors_against_float64(want, q, k, v, do, seg, *, causal, implementation, **kw):
+  """(errors [out, dq, dk, dv] relative to float64's `want`, outputs, stats, vjp) of one attention call, each finite
+  and within TOLERANCE."""
+  run = lambda q, k, v: attention(q, k, v, seg, causal=causal, implementation=implementation, return_stats=True, **kw)
+  (out, stats), vjp = jax.vjp(run, q, k, v)
+  got = (out, *vjp((do, jax.tree.map(jnp.zeros_like, stats))))
+  assert all(bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in got), (implementation, kw)
+  errors = [ref.rel_err(g, w) for g, w in zip(got, want)]
+  assert errors[0] < TOLERANCE[jnp.bfloat16][0] and max(errors[1:]) < TOLERANCE[jnp.bfloat16][1], (kw, errors)
+  return errors, got, stats, vjp
+
+
 # name, seq, q heads, kv heads, q·k head dim, causal, packed
 MLA_CASES = [
     ("causal_gqa2_odd_d192", 1000, 8, 4, 192, True, False),
@@ -366,10 +378,9 @@ MLA_CASES = [
 @pytest.mark.parametrize("case", MLA_CASES, ids=[c[0] for c in MLA_CASES])
 def test_mla_matches_float64_on_gpu(case):
   """MLA's q·k 192 / v 128 through the Mosaic GPU forward and backward at those widths (pallas_mgpu, the default;
-  named here so that it certifies at these lengths),
-  block bound, radius bound and online against float64, each no less accurate (within CLIS_VS_ONLINE) than the path
-  that pads v to 256 (the Mosaic forward with the Triton backward); the deterministic backward is bit-identical run
-  to run."""
+  named here so that it certifies at these lengths): block bound, radius bound and online against float64, each no
+  less accurate (within CLIS_VS_ONLINE) than the path that pads v to 256 (the Mosaic forward with the Triton
+  backward); the deterministic backward is bit-identical run to run."""
   name, seq, hq, hkv, d, causal, packed = case
   q, k, v, do = random_inputs(len(name), 1, seq, hq, hkv, d, jnp.bfloat16)
   v, do = v[..., :128], do[..., :128]
@@ -380,17 +391,11 @@ def test_mla_matches_float64_on_gpu(case):
                                        ("radius", "pallas_mgpu", dict(bound="radius")),
                                        ("online", "pallas_mgpu", dict(stabilizer="online")),
                                        ("padded", "pallas_mgpu_triton_bwd", dict(stabilizer="online"))]:
-    run = lambda q, k, v: attention(q, k, v, seg, causal=causal, implementation=implementation, return_stats=True,
-                                    **extra)
-    (out, stats), vjp = jax.vjp(run, q, k, v)
-    got = (out, *vjp((do, jax.tree.map(jnp.zeros_like, stats))))
-    assert all(bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in got), label
-    errors[label] = [ref.rel_err(g, w) for g, w in zip(got, want)]
-    assert errors[label][0] < TOLERANCE[jnp.bfloat16][0] and max(errors[label][1:]) < TOLERANCE[jnp.bfloat16][1], (
-        label, errors)
+    errors[label], got, stats, vjp = _errors_against_float64(want, q, k, v, do, seg, causal=causal,
+                                                             implementation=implementation, **extra)
     if label == "blocks":
       assert float(stats.certified_fraction) == 1.0, (label, float(stats.certified_fraction))
-      again = (out, *vjp((do, jax.tree.map(jnp.zeros_like, stats))))
+      again = (got[0], *vjp((do, jax.tree.map(jnp.zeros_like, stats))))
       assert all(bool((a == b).all()) for a, b in zip(got, again)), "the two-kernel backward is deterministic"
   p = plan.make_plan(dtype=q.dtype, head_dim=d, value_head_dim=128, seq_len=seq, platform=HOPPER)
   assert (p.entry.name, p.head_dim, p.value_head_dim) == ("pallas_mgpu", 192, 128)
@@ -417,14 +422,8 @@ def test_wide_heads_match_float64_on_gpu(case):
                                        ("radius", "pallas_mgpu_triton_bwd", dict(bound="radius")),
                                        ("online", "pallas_mgpu_triton_bwd", dict(stabilizer="online")),
                                        ("triton", "pallas_gpu", {})]:
-    run = lambda q, k, v: attention(q, k, v, seg, causal=causal, implementation=implementation, return_stats=True,
-                                    **extra, **kw)
-    (out, stats), vjp = jax.vjp(run, q, k, v)
-    got = (out, *vjp((do, jax.tree.map(jnp.zeros_like, stats))))
-    assert all(bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in got), label
-    errors[label] = [ref.rel_err(g, w) for g, w in zip(got, want)]
-    assert errors[label][0] < TOLERANCE[jnp.bfloat16][0] and max(errors[label][1:]) < TOLERANCE[jnp.bfloat16][1], (
-        label, errors)
+    errors[label], _, stats, _ = _errors_against_float64(want, q, k, v, do, seg, causal=causal,
+                                                         implementation=implementation, **extra, **kw)
     if label == "blocks":
       assert float(stats.certified_fraction) == 1.0, (label, float(stats.certified_fraction))
   for label in ("blocks", "radius"):

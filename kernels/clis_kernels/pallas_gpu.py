@@ -23,7 +23,7 @@ from jax.experimental.pallas import triton as plgpu
 from clis_kernels import masks
 from clis_kernels.common import dot_precision, out_struct
 from clis_kernels.plan import Mode, stabilizer_inputs
-from clis_kernels.stabilizer import (EMPTY_LSE, LOG2E, NEG, Certificate, KeyBounds, empty_rows, row_bounds, soft_cap,
+from clis_kernels.stabilizer import (LOG2E, NEG, Certificate, KeyBounds, empty_rows, row_bounds, saved_lse, soft_cap,
                                      stabilize)
 
 SUM_COLUMNS = 16  # width of the ones matrix the fixed path sums its weights with (Triton's minimum dot N)
@@ -161,8 +161,7 @@ def write_outputs(acc, m, l, certified, o_ref, lse_ref, tiles_ref, lse_sum=None)
   empty = empty_rows(l, m)
   l_safe = jnp.where(empty, 1.0, l)
   o_ref[...] = jnp.where(empty[:, None], 0.0, acc / l_safe[:, None]).astype(o_ref.dtype)
-  lse_l = l_safe if lse_sum is None else jnp.where(empty, 1.0, lse_sum)
-  lse_ref[...] = jnp.where(empty, EMPTY_LSE, m + jnp.log2(lse_l))
+  lse_ref[...] = saved_lse(m, l_safe, empty, lse_sum)
   tiles_ref[...] = jnp.broadcast_to(certified.astype(jnp.int32), (1,))
   return empty, l_safe
 
@@ -228,8 +227,8 @@ def _fwd_kernel(*refs, has_segments: bool, mode: str, causal: bool, sigma2: floa
     return acc, m, l, l
 
   if mode == "online":
-    certified, l_lse = jnp.bool_(False), None
-    acc, m, l = online()[:3]
+    certified, l_lse = jnp.bool_(False), None  # lse from l itself
+    acc, m, l, _ = online()
   else:
     if mode == "keys":  # certificate from this tile's rows, no pre-pass over q
       centre_ref, radius_ref, headroom_ref, threshold_ref = stab_refs

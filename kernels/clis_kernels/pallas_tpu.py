@@ -22,7 +22,7 @@ from jax.experimental.pallas import tpu as pltpu
 from clis_kernels import masks
 from clis_kernels.common import dot_precision, out_struct
 from clis_kernels.plan import Mode, stabilizer_inputs
-from clis_kernels.stabilizer import EMPTY_LSE, LOG2E, NEG, Certificate, empty_rows, soft_cap
+from clis_kernels.stabilizer import LOG2E, NEG, Certificate, empty_rows, saved_lse, soft_cap
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,8 +179,7 @@ def finish(acc_scr, m_scr, l_scr, o_ref, lse_ref, lse_sum=None):
   empty = empty_rows(l, m)
   l_safe = jnp.where(empty, 1.0, l)
   o_ref[...] = jnp.where(empty, 0.0, acc_scr[...] / l_safe).astype(o_ref.dtype)
-  lse_l = l_safe if lse_sum is None else jnp.where(empty, 1.0, lse_sum)
-  lse_ref[...] = jnp.where(empty, EMPTY_LSE, m + jnp.log2(lse_l))
+  lse_ref[...] = saved_lse(m, l_safe, empty, lse_sum)
   return empty, l_safe
 
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from clis_kernels import masks
 from clis_kernels.common import dot_precision, varying_like
 from clis_kernels.plan import Mode, stabilizer_inputs
-from clis_kernels.stabilizer import EMPTY_LSE, LOG2E, NEG, Certificate, empty_rows, soft_cap
+from clis_kernels.stabilizer import LOG2E, NEG, Certificate, empty_rows, saved_lse, soft_cap
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +142,7 @@ def forward_with_tiles(q, k, v, segment_ids, cert, *, causal, scale, kv_len, blo
   empty = empty_rows(l, m)
   l_safe = jnp.where(empty, 1.0, l)
   o = jnp.where(empty[..., None], 0.0, acc / l_safe[..., None])
-  lse = jnp.where(empty, EMPTY_LSE, m + jnp.log2(l_safe if l_lse is None else jnp.where(empty, 1.0, l_lse)))
+  lse = saved_lse(m, l_safe, empty, l_lse)
   heads_first = lambda x: x.reshape(b, sq, hq).transpose(0, 2, 1)
   gap = None
   if tile_gap:  # [nk, B, S, Hkv, G] -> [B, Hq, S, nk]

@@ -299,6 +299,13 @@ def empty_rows(l, m):
   return (l == 0.0) | ((m == NEG) & ~jnp.isnan(l))
 
 
+def saved_lse(m, l_safe, empty, unrounded=None):
+  """Rows' base-2 lse: M + log2 of the weights' sum, `unrounded` (a certified row's second sum, "Normalisation")
+  where given, else l_safe (l with 1 on empty rows); EMPTY_LSE on rows that saw no key."""
+  total = l_safe if unrounded is None else jnp.where(empty, 1.0, unrounded)
+  return jnp.where(empty, EMPTY_LSE, m + jnp.log2(total))
+
+
 def row_bounds(q, centre, radius, k_diag, *, sigma2: float, cap2: float | None = None):
   """Base-2 bounds (U, L) of rows q [..., D] f32, shared by the XLA pre-pass and the kernels.
 
