@@ -24,8 +24,8 @@ from clis_train.errors import ConfigError
 # MaxText adapter read it): value -> what runs.
 ATTENTIONS = {
     "clis": "CLiS kernels, the platform's best backend (Mosaic GPU on Hopper, Triton on other NVIDIA GPUs, "
-            "Mosaic TPU, the XLA reference on CPU); on Hopper the plan runs rows under 16k keys online "
-            "(certifying does not pay there on every input) and certifies longer ones with the block bound",
+            "Mosaic TPU, the XLA reference on CPU); on Hopper the plan runs the online loop (the certified "
+            "loop measured slower there; clis_mgpu certifies)",
     "online": "the same kernels with flash attention's online softmax (the baseline CLiS replaces)",
     "clis_mgpu": "CLiS, the Mosaic GPU kernels by name (Hopper only; certifies at every length)",
     "online_mgpu": "online softmax, the Mosaic GPU kernels by name (Hopper only)",

@@ -217,6 +217,8 @@ def implementations(names, platform, quick):
       for name, impl in (("triton", "pallas_gpu"), ("mgpu", "pallas_mgpu")):
         table[f"{stab}_{name}"] = functools.partial(_named, stabilizer=stab, implementation=impl)
     table["clis_mgpu_prepass"] = functools.partial(_prepass, quick=False, implementation="pallas_mgpu")
+    table["clis_mgpu_blocks_prepass"] = functools.partial(_prepass, quick=False, implementation="pallas_mgpu",
+                                                          bound="blocks")
     table["clis_mgpu_triton_bwd"] = functools.partial(  # the forward with the Triton backward
         _named, stabilizer="clis", implementation="pallas_mgpu_triton_bwd")
     for stab in ("clis", "online"):  # the API's default forward with the one-kernel Mosaic GPU backward

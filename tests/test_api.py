@@ -80,14 +80,15 @@ def test_gpu_default_is_the_mosaic_backend_on_hopper_where_it_applies(hopper, dt
 def test_wide_heads_on_hopper_certify_with_a_pre_pass_and_refuse_the_mosaic_backward():
   """Above head dim 128 the in-kernel certificate's scratch does not fit (pallas_mgpu.KEYS_MAX_HEAD_DIM): the radius
   bound runs as an XLA pre-pass; naming pallas_mgpu (whose backward stops at 128) says what to use instead."""
-  p = plan.make_plan(dtype=jnp.bfloat16, head_dim=256, seq_len=32768, bound="radius", platform=plan.HOPPER)
+  named = dict(implementation="pallas_mgpu_triton_bwd", platform=plan.HOPPER)  # the default runs online on Hopper
+  p = plan.make_plan(dtype=jnp.bfloat16, head_dim=256, seq_len=32768, bound="radius", **named)
   assert p.entry.name == "pallas_mgpu_triton_bwd" and p.mode is plan.Mode.CERTIFICATE
-  p = plan.make_plan(dtype=jnp.bfloat16, head_dim=256, seq_len=32768, platform=plan.HOPPER)
+  p = plan.make_plan(dtype=jnp.bfloat16, head_dim=256, seq_len=32768, **named)
   assert p.mode is plan.Mode.BLOCKS and p.block_sizes.block_kv == 64
   assert (p.backward_block_sizes.block_q_dkv, p.backward_block_sizes.num_warps_bwd) == (64, 8)  # Hopper's Triton tiles
   other = plan.make_plan(dtype=jnp.bfloat16, head_dim=256, seq_len=32768, platform=plan.Platform("gpu"))
   assert other.entry.name == "pallas_gpu" and other.backward_block_sizes.block_q_dkv == 32
-  assert plan.make_plan(dtype=jnp.bfloat16, head_dim=256, seq_len=8192, platform=plan.HOPPER).mode is plan.Mode.ONLINE
+  assert plan.make_plan(dtype=jnp.bfloat16, head_dim=256, seq_len=8192, **named).mode is plan.Mode.CERTIFICATE  # radius
   with pytest.raises(ValueError, match="takes head dims up to 128.*pallas_mgpu_triton_bwd"):
     plan.make_plan(dtype=jnp.bfloat16, head_dim=256, seq_len=1024, implementation="pallas_mgpu", platform=plan.HOPPER)
 
@@ -116,18 +117,30 @@ def test_mla_head_dims_run_unpadded_where_both_kernels_take_them(implementation,
 
 
 @pytest.mark.parametrize("seq_len,implementation,bound,want", [
-    (plan.CERTIFY_FROM_MGPU - 1, None, "radius", plan.Mode.ONLINE), (plan.CERTIFY_FROM_MGPU, None, "radius",
-                                                                      plan.Mode.KEYS),
-    (2048, None, "blocks", plan.Mode.ONLINE), (2048, "pallas_mgpu", "radius", plan.Mode.KEYS),
-    (32768, None, "blocks", plan.Mode.BLOCKS), (plan.BLOCKS_FROM_MGPU, None, None, plan.Mode.BLOCKS),
+    (2048, None, "radius", plan.Mode.ONLINE), (65536, None, "radius", plan.Mode.ONLINE),
+    (65536, None, "blocks", plan.Mode.ONLINE), (65536, None, None, plan.Mode.ONLINE),
+    (2048, "pallas_mgpu", "radius", plan.Mode.KEYS), (32768, "pallas_mgpu", "blocks", plan.Mode.BLOCKS),
     (plan.BLOCKS_FROM_MGPU - 1, "pallas_mgpu", None, plan.Mode.KEYS), (plan.BLOCKS_FROM_MGPU, "pallas_mgpu", None,
                                                               plan.Mode.BLOCKS)])
-def test_automatic_plan_runs_short_rows_online_on_hopper(seq_len, implementation, bound, want):
-  """implementation=None on Hopper: rows too short for the certificate to pay run the online loop; a
-  backend named explicitly certifies at every length."""
+def test_automatic_plan_runs_online_on_hopper(seq_len, implementation, bound, want):
+  """implementation=None on Hopper runs the online loop at every length (its certified loop does not pay there:
+  plan.CERTIFY_ON_HOPPER); a backend named explicitly certifies at every length, with the block bound from
+  plan.BLOCKS_FROM_MGPU keys when bound=None."""
   p = plan.make_plan(dtype=jnp.bfloat16, head_dim=128, seq_len=seq_len, bound=bound, implementation=implementation,
                      platform=plan.HOPPER)
   assert p.entry.name == "pallas_mgpu" and p.mode is want
+
+
+def test_only_the_hopper_entries_run_online_by_default():
+  """Every other entry certifies under implementation=None (pre-Hopper GPUs, TPU, the reference)."""
+  by_default = {e.name: e.certifies_by_default for e in plan.REGISTRY}
+  assert by_default == {"pallas_mgpu": False, "pallas_mgpu_triton_bwd": False, "pallas_gpu": True,
+                        "pallas_tpu": True, "reference": True}
+  for platform, name in ((plan.Platform("gpu"), "pallas_gpu"), (plan.Platform("cpu"), "reference")):
+    p = plan.make_plan(dtype=jnp.bfloat16, head_dim=128, seq_len=32768, platform=platform)
+    assert (p.entry.name, p.mode is plan.Mode.ONLINE) == (name, False)
+  wide = plan.make_plan(dtype=jnp.bfloat16, head_dim=256, seq_len=32768, platform=plan.HOPPER)
+  assert (wide.entry.name, wide.mode) == ("pallas_mgpu_triton_bwd", plan.Mode.ONLINE)
 
 
 def test_automatic_bound_keeps_the_radius_where_the_block_kernel_does_not_run():
@@ -159,18 +172,6 @@ def test_window_cap_and_segment_ids_get_one_clear_error(kwargs, message):
   kwargs.setdefault("causal", False)
   with pytest.raises(ValueError, match=message):
     attention(q, k, k, seg, **kwargs)
-
-
-def test_hopper_default_certifies_wide_windows_only():
-  """implementation=None on Hopper: from plan.CERTIFY_FROM_MGPU keys on it certifies, except under a local window
-  narrower than plan.CERTIFY_WINDOW_FROM_MGPU keys per row, where the pre-pass over all of K/V costs more than the
-  band's kernel saves; a named backend certifies either way."""
-  kw = dict(dtype=jnp.bfloat16, head_dim=128, seq_len=32768, platform=plan.HOPPER, window_or_cap=True)
-  mode = lambda **extra: plan.make_plan(**kw, **extra).mode
-  assert mode(window_keys=4097) is not plan.Mode.ONLINE
-  assert mode(window_keys=129) is plan.Mode.ONLINE
-  assert mode(window_keys=129, implementation="pallas_mgpu") is not plan.Mode.ONLINE
-  assert mode() is not plan.Mode.ONLINE  # a soft cap alone
 
 
 def test_xla_path_follows_the_segment_convention():

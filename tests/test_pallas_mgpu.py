@@ -525,8 +525,8 @@ def test_packed_in_kernel_certificate_is_never_looser_than_xla_on_gpu(causal):
 
 @needs_gpu
 def test_default_on_hopper_is_this_backend_on_gpu():
-  """implementation=None takes the Mosaic GPU kernels for bf16 (forward and gradients bit for bit; at 512 keys,
-  below plan.CERTIFY_FROM_MGPU, their online loop), Triton for f32."""
+  """implementation=None takes the Mosaic GPU kernels for bf16 (forward and gradients bit for bit; their online loop,
+  plan.CERTIFY_ON_HOPPER), Triton for f32."""
   q, k, v, do = random_inputs(5, 1, 512, 4, 2, 128, jnp.bfloat16)
   loss = lambda **kw: lambda q, k, v: jnp.vdot(attention(q, k, v, **kw).astype(jnp.float32), do.astype(jnp.float32))
   for got, want in zip(jax.value_and_grad(loss(), argnums=(0, 1, 2))(q, k, v),

@@ -277,8 +277,8 @@ def attention(q, k, v, segment_ids=None, *, causal=True, scale=None, local_windo
     plan's choice (plan.automatic_bound: "blocks" on Hopper from plan.BLOCKS_FROM_MGPU keys on).
   implementation: None (TPU → "pallas_tpu"; NVIDIA Hopper with bf16/f16 and D up to 128, or MLA's q·k 192 with
     v 128 → "pallas_mgpu", the fastest forward and backward on an H200; D up to 256 → "pallas_mgpu_triton_bwd"; other NVIDIA GPUs or inputs →
-    "pallas_gpu"; CPU → "reference"; on Hopper, sequences shorter than plan.CERTIFY_FROM_MGPU keys run
-    the online softmax, where certifying cannot pay), or one of "pallas_tpu", "pallas_gpu",
+    "pallas_gpu"; CPU → "reference"; on Hopper the online softmax runs, where certifying does not pay:
+    plan.CERTIFY_ON_HOPPER), or one of "pallas_tpu", "pallas_gpu",
     "pallas_mgpu", "reference", "xla" (a named backend certifies at every length).
   block_sizes: the forward's BlockSizes dataclass; backward_block_sizes: the backward's (default:
     their heuristics). "pallas_mgpu_triton_bwd" is the Mosaic GPU forward with the Triton backward.
@@ -320,7 +320,6 @@ def attention(q, k, v, segment_ids=None, *, causal=True, scale=None, local_windo
   plan = plan_lib.make_plan(dtype=q.dtype, head_dim=q.shape[-1], value_head_dim=v.shape[-1],
                             seq_len=max(seq_len, kv_seq_len), stabilizer=stabilizer, bound=bound, causal=bool(causal), packed=segment_ids is not None, granularity=granularity, separate_ids=separate_ids,
                             window_or_cap=window is not None or softcap is not None,
-                            window_keys=None if window is None else window[0] + window[1] + 1,
                             implementation=implementation,
                             block_sizes=block_sizes, backward_block_sizes=backward_block_sizes, interpret=interpret,
                             platform=platform)

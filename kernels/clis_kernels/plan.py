@@ -3,9 +3,10 @@ for temporal tile skipping), with which tiles, padded to what, in which stabiliz
 
 Every caller (`attention`, `diffusion.attention`, the example sampler, the benchmarks, the trainer)
 reaches a kernel through `make_plan`; nothing else decides a backend. The registry is ordered by
-priority: `implementation=None` takes the first entry that supports the call (and runs rows shorter
-than its `certify_from` online), and a named entry that cannot run it says why. The platform is a parameter (`Platform.detect()` by default), so a
-test plans for an H200 on a CPU without patching anything.
+priority: `implementation=None` takes the first entry that supports the call (and runs it online where that
+entry's certified loop does not pay: `certifies_by_default`), and a named entry that cannot run it says why.
+The platform is a parameter (`Platform.detect()` by default), so a test plans for an H200 on a CPU without
+patching anything.
 """
 
 from __future__ import annotations
@@ -85,8 +86,7 @@ class Entry:
   automatic: bool = True  # may implementation=None pick it
   backward_tiles: str | None = None  # 'module' or 'module:heuristic' with the backward's BlockSizes (None: the forward's)
   row_bounds: str | None = None  # module of the block bound's (U, L) kernel (Mode.BLOCKS), None: XLA
-  certify_from: int = 0  # implementation=None: shorter sequences run online (certifying cannot pay there)
-  certify_window_from: int = 0  # implementation=None: narrower local windows (keys per row) run online too
+  certifies_by_default: bool = True  # implementation=None certifies on it (False: runs online, where it does not pay)
   blocks_from: int | None = None  # bound=None: the block bound from this many keys on (its kernel pays), else radius
 
   def supports(self, call: Call, platform: Platform, *, automatic: bool = False) -> str | None:
@@ -150,18 +150,13 @@ def _function(path: str, default: str):
   return getattr(_module(path), name)
 
 
-# Below this many keys certifying does not pay on every input (H200, B x S = 32k tokens, BENCHMARKS.md
-# issue 16: at causal 8k the one-radius bound gains on Gaussian keys but loses on sink/outlier-shaped
-# ones, where it certifies nothing, and the block bound does not gain on either), so
-# implementation=None runs shorter calls online; naming the backend certifies at every length. To re-measure: since
-# certified rows save lse from a second, unrounded sum (pallas_mgpu.BlockSizes.exact_lse), the default at 32k on
-# sink-shaped inputs ran 0.978x (causal) and 0.995x (bidirectional) our online loop (BENCHMARKS.md §3).
-CERTIFY_FROM_MGPU = 16384
-# A local window narrower than this many keys per row runs online by default on Hopper: the certificate's pre-pass
-# reads all of K and V while the windowed kernel reads only the band, so it costs more than it saves on narrow
-# windows (H200, causal 32k, sink-shaped inputs, BENCHMARKS.md §1: window 4096 at D 128, clis 1.080x online; window
-# 128 at D 64, 0.742x).
-CERTIFY_WINDOW_FROM_MGPU = 4096
+# On Hopper implementation=None runs the online loop: the certified Mosaic GPU forward, with the unrounded lse sum
+# that makes it as accurate as the online path, measured slower than our online loop in every cell of one H200 run
+# per shape on sink-shaped inputs (BENCHMARKS.md §3, 2026-12-03): D 128, 16k-64k, 0.94-0.98x (causal and
+# bidirectional); D 64, 8k-32k, 0.88-0.998x; a 4096-key window, causal 32k, 0.96x. Saving lse from the rounded
+# sum instead reached only 0.99-1.06x at D 128 and 0.94-0.98x at D 64, so no length or head-dim rule pays either.
+# Naming the backend (implementation="pallas_mgpu", the trainer's clis_mgpu) certifies at every length.
+CERTIFY_ON_HOPPER = False
 # From this many keys the block bound pays on Gaussian and pretrained-like inputs alike (BENCHMARKS.md,
 # issue 16); bound=None takes it there where its kernel takes the call, the radius below.
 BLOCKS_FROM_MGPU = 16384
@@ -175,11 +170,10 @@ BLOCKS_FROM_TPU = 0
 REGISTRY: tuple[Entry, ...] = (
     Entry("pallas_mgpu", 30, ("gpu",), "pallas_mgpu", "pallas_mgpu_vjp", True, interpretable=False,
           hopper_only=True, backward_tiles="pallas_mgpu_vjp", row_bounds="pallas_gpu_bounds",
-          certify_from=CERTIFY_FROM_MGPU, certify_window_from=CERTIFY_WINDOW_FROM_MGPU, blocks_from=BLOCKS_FROM_MGPU,
-          skip="diffusion.pallas_mgpu_skip"),
+          certifies_by_default=CERTIFY_ON_HOPPER, blocks_from=BLOCKS_FROM_MGPU, skip="diffusion.pallas_mgpu_skip"),
     Entry("pallas_mgpu_triton_bwd", 25, ("gpu",), "pallas_mgpu", "pallas_gpu_vjp", True, interpretable=False,
           hopper_only=True, backward_tiles="pallas_gpu:hopper_block_sizes", row_bounds="pallas_gpu_bounds",
-          certify_from=CERTIFY_FROM_MGPU, certify_window_from=CERTIFY_WINDOW_FROM_MGPU, blocks_from=BLOCKS_FROM_MGPU),
+          certifies_by_default=CERTIFY_ON_HOPPER, blocks_from=BLOCKS_FROM_MGPU),
     Entry("pallas_gpu", 20, ("gpu",), "pallas_gpu", "pallas_gpu_vjp", True, skip="diffusion.pallas_gpu_skip",
           row_bounds="pallas_gpu_bounds"),
     Entry("pallas_tpu", 20, ("tpu",), "pallas_tpu", "pallas_tpu_vjp", False, skip="diffusion.pallas_tpu_skip",
@@ -279,12 +273,12 @@ def make_plan(*, dtype, head_dim: int, seq_len: int, value_head_dim: int | None 
               bound: str | None = None,
               causal: bool = True, packed: bool = False,
               granularity: str = "tile", separate_ids: bool = False, window_or_cap: bool = False,
-              skipping: bool = False, window_keys: int | None = None, implementation: str | None = None,
+              skipping: bool = False, implementation: str | None = None,
               block_sizes=None,
               backward_block_sizes=None, interpret=False, platform: Platform | None = None) -> Plan:
   """The plan for one call. seq_len: the longer of the query and key lengths (tile heuristics and
-  the length rules); value_head_dim: v's head dim where it differs from q·k's (MLA), else None; window_keys: keys a row sees under a local window (left + right + 1), or None; bound None:
-  `automatic_bound`, which reads causal and packed (segment ids given)."""
+  the block bound's length rule); value_head_dim: v's head dim where it differs from q·k's (MLA), else None;
+  bound None: `automatic_bound`, which reads causal and packed (segment ids given)."""
   from jax.experimental.pallas import tpu as pltpu
   interpret = interpret if isinstance(interpret, pltpu.InterpretParams) else bool(interpret)
   platform = Platform.detect() if platform is None else platform
@@ -305,13 +299,8 @@ def make_plan(*, dtype, head_dim: int, seq_len: int, value_head_dim: int | None 
     raise ValueError(f"backward_block_sizes for implementation={entry.name!r} must be "
                      f"{backend.backward_block_sizes_type.__module__}.BlockSizes; got "
                      f"{type(backward_block_sizes).__name__}")
-  narrow = window_keys is not None and window_keys < entry.certify_window_from
-  # Where the block bound's (U, L) kernel does not take the head dim, its XLA statement costs more than the certified
-  # loop saves (H200, MLA's 192/128, causal 32k, sink inputs: forward 16.6 ms against 8.2 online; BENCHMARKS.md §1).
-  no_bounds_kernel = entry.certify_from > 0 and entry.row_bounds is not None and not _module(
-      entry.row_bounds).takes_head_dim(padded_head)
-  if implementation is None and (seq_len < entry.certify_from or narrow or no_bounds_kernel):
-    stabilizer = "online"  # the automatic choice: certifying cannot pay on these rows
+  if implementation is None and not entry.certifies_by_default:
+    stabilizer = "online"  # the automatic choice: this entry's certified loop does not pay
   if bound is None:
     bound = automatic_bound(entry, seq_len=seq_len, causal=causal, packed=packed, separate_ids=separate_ids,
                             window_or_cap=window_or_cap)
