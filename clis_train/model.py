@@ -41,7 +41,8 @@ class ModelDims:
   v_head_dim: int | None = None  # None: the q·k head dim (MLA: q·k 192, v 128)
   attn_soft_cap: float | None = None  # attention logits become c·tanh(s / c) (Gemma 2: 50)
   final_soft_cap: float | None = None  # the output logits too (Gemma 2: 30)
-  sliding_window: int | None = None  # local layers: each query sees itself and this many keys before it
+  sliding_window: int | None = None  # local layers: each query sees this many keys, itself included (Hugging
+                                     #   Face's sliding_window, as Mistral, Gemma 2/3 and gpt-oss configs give it)
   global_every: int | None = None  # with a window: layers global_every, 2·global_every, ... (1-based) see every
                                    #   key (Gemma 2, gpt-oss: 2; Gemma 3: 6); None: every layer is local
   sinks: bool = False  # a learned sink logit per query head (gpt-oss): one more term in the softmax's denominator
@@ -58,10 +59,11 @@ class ModelDims:
     return self.v_head_dim or self.head_dim
 
   def layer_window(self, layer: int) -> int | None:
-    """Keys before each query that layer `layer` (0-based) sees; None: all of them."""
+    """Keys before each query that layer `layer` (0-based) sees (the attention's left window: sliding_window − 1);
+    None: all of them."""
     if self.sliding_window is None or (self.global_every and (layer + 1) % self.global_every == 0):
       return None
-    return self.sliding_window
+    return self.sliding_window - 1
 
   def num_params(self) -> int:
     hd, vd = self.head_dim, self.value_dim

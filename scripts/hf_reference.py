@@ -1,4 +1,5 @@
-"""Writes a tiny random Hugging Face Llama (safetensors) and its logits on fixed tokens.
+"""Writes a tiny random Hugging Face Llama (or, with --mistral-window W, a Mistral with sliding window W) as
+safetensors, and its logits on fixed tokens.
 
 Runs under a Python with torch + transformers (scripts/setup.sh makes .venv-hf with
 Python 3.11 and the CPU torch wheel); tests/test_hf.py compares our Flax model's logits,
@@ -16,7 +17,7 @@ import pathlib
 
 import numpy as np
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 TINY = dict(vocab_size=384, hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
@@ -31,6 +32,8 @@ def main():
   parser.add_argument("--tokens", default=None, help="with --load: int tokens [B, S] (.npy)")
   parser.add_argument("--rope-scaling", type=float, nargs=4, default=None,
                       metavar=("FACTOR", "LOW", "HIGH", "ORIGINAL"), help="Llama 3's RoPE scaling for the random model")
+  parser.add_argument("--mistral-window", type=int, default=None,
+                      help="a Mistral with this sliding_window (shorter than the 64 tokens) instead of a Llama")
   args = parser.parse_args()
   if args.load:
     model = LlamaForCausalLM.from_pretrained(args.load, torch_dtype=torch.float32).eval()
@@ -45,7 +48,11 @@ def main():
     factor, low, high, original = args.rope_scaling
     config["rope_scaling"] = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
                               "high_freq_factor": high, "original_max_position_embeddings": int(original)}
-  model = LlamaForCausalLM(LlamaConfig(**config)).float().eval()
+  if args.mistral_window:
+    config["sliding_window"] = args.mistral_window
+    model = MistralForCausalLM(MistralConfig(**config)).float().eval()
+  else:
+    model = LlamaForCausalLM(LlamaConfig(**config)).float().eval()
   with torch.no_grad():  # HF's init leaves norms at 1; randomise them so the test sees their scales
     for name, p in model.named_parameters():
       if "norm" in name:

@@ -41,12 +41,13 @@ def _params(dims, seed=0, seq=64):
 
 def test_layer_windows_follow_the_family():
   gemma, oss = model.PRESETS["gemma2_2b"], model.PRESETS["gpt_oss_20b"]
-  assert [gemma.layer_window(i) for i in range(4)] == [4096, None, 4096, None]  # local first, then global
-  assert [oss.layer_window(i) for i in range(4)] == [128, None, 128, None]
+  # sliding_window counts the query itself (Hugging Face's convention); layer_window is the keys before it
+  assert [gemma.layer_window(i) for i in range(4)] == [4095, None, 4095, None]  # local first, then global
+  assert [oss.layer_window(i) for i in range(4)] == [127, None, 127, None]
   gemma3_like = dataclasses.replace(gemma, global_every=6, sliding_window=1024)
-  assert [gemma3_like.layer_window(i) for i in range(7)] == [1024] * 5 + [None, 1024]
+  assert [gemma3_like.layer_window(i) for i in range(7)] == [1023] * 5 + [None, 1023]
   mistral_like = dataclasses.replace(model.PRESETS["8b"], sliding_window=4096)
-  assert {mistral_like.layer_window(i) for i in range(32)} == {4096}
+  assert {mistral_like.layer_window(i) for i in range(32)} == {4095}
   assert {model.PRESETS["8b"].layer_window(i) for i in range(32)} == {None}
   deepseek = model.PRESETS["deepseek_v2_lite"]
   assert (deepseek.head_dim, deepseek.value_dim) == (192, 128)
@@ -109,11 +110,11 @@ def test_cached_decoding_matches_the_full_forward(preset):
 
 
 def test_a_window_limits_what_each_layer_sees():
-  """Two local layers of window 16: a token reaches 32 positions ahead and no further; one global layer
-  (global_every=2) lets it reach every later position."""
+  """Two local layers of window 16 (each query sees itself and the 15 keys before it): a token reaches 30 positions
+  ahead and no further; one global layer (global_every=2) lets it reach every later position."""
   tokens, positions, segment_ids = _tokens(4, 1, 96, 384)
   changed = tokens.at[0, 0].set((tokens[0, 0] + 1) % 384)
-  for global_every, reach in ((None, 32), (2, 95)):
+  for global_every, reach in ((None, 30), (2, 95)):
     dims = dataclasses.replace(model.PRESETS["gemma2_tiny"], sliding_window=16, global_every=global_every)
     module = _transformer(dims)
     params = _params(dims, seed=5)
