@@ -60,6 +60,8 @@ class ModelConfig:
   global_every: int | None = None
   sinks: bool | None = None
   rope_scaling: tuple[float, ...] | None = None  # Llama 3.1+: [factor, low_freq_factor, high_freq_factor, original]
+  block: str | None = None  # llama | gemma2 (Gemma 2's sandwich norms, GeGLU, scaled embeddings)
+  query_pre_attn_scalar: float | None = None  # Gemma 2: q·k scaled by its −1/2 power
   dtype: str = "bfloat16"  # compute dtype; parameters stay float32 (the master weights)
   remat: str = "none"  # none | full | dots
 

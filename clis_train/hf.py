@@ -1,12 +1,15 @@
-"""Hugging Face Llama weights (safetensors) into the Flax model's parameter tree, and back out.
+"""Hugging Face Llama, Mistral and Gemma 2 weights (safetensors) into the Flax model's parameter tree, and Llama
+back out.
 
 HF stores linear weights as [out, in]; Flax Dense kernels are [in, out]. Names map as
 model.layers.{i}.self_attn.{q,k,v,o}_proj → layer_{i}/attention/w{q,k,v,o},
 mlp.{gate,up,down}_proj → mlp/w{1,3,2}, input_layernorm → attention_norm,
-post_attention_layernorm → mlp_norm; embed_tokens → embed; model.norm → norm; lm_head.
+post_attention_layernorm → mlp_norm; embed_tokens → embed; model.norm → norm; lm_head. Gemma 2's four norms a
+layer: input_layernorm → attention_norm, post_attention_layernorm → attention_out_norm, pre_feedforward_layernorm →
+mlp_norm, post_feedforward_layernorm → mlp_out_norm; its norms multiply by (1 + w), so the import adds one.
 Both sides use the rotate-half RoPE layout, so no permutation is needed. A folder's config.json says what it
-holds: Llama and Mistral load (their dims must match the model's); other architectures get one error that names
-what our Llama blocks lack for them.
+holds: Llama, Mistral and Gemma 2 load (their dims must match the model's); other architectures get one error that
+names what our blocks lack for them.
 """
 
 from __future__ import annotations
@@ -33,12 +36,16 @@ _LAYER = {
 }
 
 
+_GEMMA2_LAYER = {**{k: v for k, v in _LAYER.items() if k[0] != "mlp_norm"},
+                 ("attention_out_norm", "scale"): "post_attention_layernorm.weight",
+                 ("mlp_norm", "scale"): "pre_feedforward_layernorm.weight",
+                 ("mlp_out_norm", "scale"): "post_feedforward_layernorm.weight"}
+
 LLAMA_LIKE = ("llama", "mistral")
+LOADS = (*LLAMA_LIKE, "gemma2")  # model_type values whose weights load (model.block: llama, llama, gemma2)
 # model_type -> what our blocks lack to run that architecture's weights (its attention shape may still be a preset)
 MISSING = {
     "gemma": "GeGLU MLPs, (1 + w) norm weights and sqrt(dim)-scaled embeddings",
-    "gemma2": "the post-attention and post-MLP norms, GeGLU MLPs, (1 + w) norm weights and sqrt(dim)-scaled "
-              "embeddings (model.preset=gemma2_2b trains its attention's shape from scratch)",
     "gemma3": "QK norms, the post-attention and post-MLP norms, GeGLU MLPs, (1 + w) norm weights and "
               "sqrt(dim)-scaled embeddings",
     "gpt_oss": "the mixture-of-experts MLP and the attention biases (model.preset=gpt_oss_20b trains its "
@@ -64,10 +71,12 @@ def check_config(folder: pathlib.Path, dims) -> None:
     return
   config = json.loads(path.read_text())
   kind = config.get("model_type")
-  if kind not in LLAMA_LIKE:
+  if kind not in LOADS:
     lacks = MISSING.get(kind, "its layers (only Llama-architecture weights load)")
     raise ValueError(f"{str(folder)!r} holds a {kind!r} model (config.json model_type); clis-train's model loads "
-                     f"Llama and Mistral weights and lacks {lacks}")
+                     f"Llama, Mistral and Gemma 2 weights and lacks {lacks}")
+  if kind == "gemma2":
+    _check_gemma2(folder, config)
   if config.get("attention_bias") or config.get("mlp_bias"):
     raise ValueError(f"{str(folder)!r} has biases (attention_bias / mlp_bias in config.json); clis-train's model "
                      "has none")
@@ -86,24 +95,44 @@ def check_config(folder: pathlib.Path, dims) -> None:
       "head_dim": config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
       "rope_theta": _rope_theta(config), "norm_eps": config.get("rms_norm_eps"),
       "tie_embeddings": config.get("tie_word_embeddings", False),
-      "sliding_window": config.get("sliding_window") if kind == "mistral" else None,
-      "rope_scaling": rope_scaling,
+      "sliding_window": config.get("sliding_window") if kind in ("mistral", "gemma2") else None,
+      "rope_scaling": rope_scaling, "block": "gemma2" if kind == "gemma2" else "llama",
   }
+  if kind == "gemma2":
+    want.update(attn_soft_cap=config.get("attn_logit_softcapping"), final_soft_cap=config.get("final_logit_softcapping"),
+                query_pre_attn_scalar=config.get("query_pre_attn_scalar"), global_every=2,
+                tie_embeddings=config.get("tie_word_embeddings", True))
   ours = {name: getattr(dims, name) for name in want}
-  ours["sliding_window"] = dims.sliding_window if dims.global_every is None else "on some layers only"
+  if kind != "gemma2":
+    ours["sliding_window"] = dims.sliding_window if dims.global_every is None else "on some layers only"
   ours["rope_scaling"] = None if dims.rope_scaling is None else list(dims.rope_scaling)
   same = lambda a, b: (a == b if not isinstance(a, float) or not isinstance(b, float)
                        else abs(a - b) <= 1e-9 * abs(a))
   differ = [f"model.{'qk_head_dim' if k == 'head_dim' else k}={v!r} (ours: {ours[k]!r})" for k, v in want.items()
             if v is not None and not same(v, ours[k])]
-  for name in ("sliding_window", "rope_scaling"):  # absent in the checkpoint: ours must be off too
+  for name in ("sliding_window", "rope_scaling") + (("attn_soft_cap", "final_soft_cap", "query_pre_attn_scalar")
+                                                    if kind == "gemma2" else ()):  # absent: ours must be off too
     if want[name] is None and ours[name] is not None:
       differ.append(f"model.{name}=null (ours: {ours[name]!r})")
   if differ:
     raise ValueError(f"{str(folder)!r} config.json differs from the model: set {', '.join(differ)}")
 
 
-def _hf_name(path: tuple[str, ...]) -> str:
+def _check_gemma2(folder, config: dict) -> None:
+  """What a Gemma 2 config must say for our gemma2 block to be its model: the tanh GELU, and sliding and global
+  layers alternating from a sliding first (global_every=2)."""
+  act = config.get("hidden_activation") or config.get("hidden_act")
+  if act not in (None, "gelu_pytorch_tanh"):
+    raise ValueError(f"{str(folder)!r} config.json hidden_activation={act!r}; clis-train's gemma2 block runs "
+                     "gelu_pytorch_tanh")
+  kinds = config.get("layer_types")
+  if kinds is not None and list(kinds) != ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                           for i in range(len(kinds))]:
+    raise ValueError(f"{str(folder)!r} config.json layer_types={kinds!r}; clis-train's gemma2 model alternates "
+                     "sliding and full attention layers from a sliding first (model.global_every=2)")
+
+
+def _hf_name(path: tuple[str, ...], block: str = "llama") -> str:
   if path[0] == "embed":
     return "model.embed_tokens.weight"
   if path[0] == "norm":
@@ -111,7 +140,7 @@ def _hf_name(path: tuple[str, ...]) -> str:
   if path[0] == "lm_head":
     return "lm_head.weight"
   layer = int(path[0].removeprefix("layer_"))
-  return f"model.layers.{layer}.{_LAYER[path[1:]]}"
+  return f"model.layers.{layer}.{(_GEMMA2_LAYER if block == 'gemma2' else _LAYER)[path[1:]]}"
 
 
 def load_llama_safetensors(folder: pathlib.Path, abstract_params, dims=None):
@@ -119,6 +148,7 @@ def load_llama_safetensors(folder: pathlib.Path, abstract_params, dims=None):
   check_config against `dims`, when given)."""
   if dims is not None:
     check_config(folder, dims)
+  block = getattr(dims, "block", "llama")
   tensors = {}
   for file in sorted(folder.glob("*.safetensors")):
     with safe_open(str(file), framework="flax") as f:
@@ -127,13 +157,15 @@ def load_llama_safetensors(folder: pathlib.Path, abstract_params, dims=None):
 
   def convert(path, leaf):
     keys = tuple(p.key for p in path)
-    name = _hf_name(keys)
+    name = _hf_name(keys, block)
     if name not in tensors:
       raise ValueError(f"{folder}: no tensor {name!r} for parameter {'/'.join(keys)} (is this a Llama checkpoint "
                        "with the configured number of layers?)")
     value = jnp.asarray(tensors[name], jnp.float32)
     if keys[-1] == "kernel":
       value = value.T
+    if keys[-1] == "scale" and block == "gemma2":  # Gemma's norms multiply by (1 + w)
+      value = value + 1.0
     if value.shape != tuple(leaf.shape):
       raise ValueError(f"{folder}: {name} has shape {value.shape} but the model expects {tuple(leaf.shape)} "
                        f"for {'/'.join(keys)}; set model.* to the checkpoint's config")
@@ -146,8 +178,10 @@ def llama_config(dims, *, max_positions: int, bos_id, eos_id) -> dict:
   """transformers' LlamaConfig for our dims (rope_theta and Llama 3's scaling both flat, for transformers 4, and in
   rope_parameters, as transformers 5 writes it). Dims beyond Llama's (a window, caps, sinks, a split v head dim)
   have no Llama config: an error names them."""
-  beyond = [name for name in ("v_head_dim", "attn_soft_cap", "final_soft_cap", "sliding_window", "sinks")
-            if getattr(dims, name) not in (None, False)]
+  beyond = [name for name in ("v_head_dim", "attn_soft_cap", "final_soft_cap", "sliding_window", "sinks",
+                              "query_pre_attn_scalar") if getattr(dims, name) not in (None, False)]
+  if dims.block != "llama":
+    beyond.append(f"block={dims.block!r}")
   if beyond:
     raise ValueError(f"a model with {', '.join(beyond)} set has no Hugging Face Llama config; export it as an "
                      "orbax checkpoint (its run folder) instead")

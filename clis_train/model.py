@@ -3,7 +3,9 @@
 The attention options of the other popular families ride on the same blocks: an explicit head dim
 (Gemma: 256), a value head dim other than the q·k one (MLA's shapes: 192 / 128), a logits soft cap and a
 final-logits cap (Gemma 2), a sliding window on some or all layers (Mistral, Gemma 2/3, gpt-oss) and learned
-per-head sink logits (gpt-oss). Their MLPs and norms stay Llama's: the presets take their attention's shape.
+per-head sink logits (gpt-oss). `block="gemma2"` is Gemma 2's block: norms after attention and after the MLP too,
+a GeGLU MLP (tanh GELU), embeddings scaled by sqrt(dim), and q·k scaled by query_pre_attn_scalar^-1/2. The other
+families' MLPs and norms stay Llama's: their presets take their attention's shape.
 
 Parameters are float32 (master weights); activations run in `dtype` (bf16 by default).
 Attention has one call site, `Attention.__call__`, which calls the function the trainer
@@ -48,6 +50,8 @@ class ModelDims:
   sinks: bool = False  # a learned sink logit per query head (gpt-oss): one more term in the softmax's denominator
   rope_scaling: tuple[float, float, float, float] | None = None  # Llama 3.1+'s: (factor, low_freq_factor,
                                                                  #   high_freq_factor, original_max_positions)
+  block: str = "llama"  # llama | gemma2 (BLOCKS)
+  query_pre_attn_scalar: float | None = None  # q·k scaled by its −1/2 power instead of the head dim's (Gemma 2)
 
   @property
   def head_dim(self) -> int:
@@ -68,7 +72,8 @@ class ModelDims:
   def num_params(self) -> int:
     hd, vd = self.head_dim, self.value_dim
     attn = self.dim * (hd * (self.n_heads + self.n_kv_heads) + vd * (self.n_kv_heads + self.n_heads))
-    layer = attn + 3 * self.dim * self.ffn_dim + 2 * self.dim + (self.n_heads if self.sinks else 0)
+    norms = 4 if self.block == "gemma2" else 2
+    layer = attn + 3 * self.dim * self.ffn_dim + norms * self.dim + (self.n_heads if self.sinks else 0)
     embed = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
     return self.n_layers * layer + embed + self.dim
 
@@ -90,10 +95,12 @@ PRESETS = {
     # tiny twin for CPUs and tests.
     "gemma2_2b": ModelDims(vocab_size=256000, dim=2304, n_layers=26, n_heads=8, n_kv_heads=4, ffn_dim=9216,
                            rope_theta=10000.0, norm_eps=1e-6, tie_embeddings=True, qk_head_dim=256,
-                           attn_soft_cap=50.0, final_soft_cap=30.0, sliding_window=4096, global_every=2),
+                           attn_soft_cap=50.0, final_soft_cap=30.0, sliding_window=4096, global_every=2,
+                           block="gemma2", query_pre_attn_scalar=256.0),  # Gemma-2-2B's, its blocks too
     "gemma2_tiny": ModelDims(vocab_size=384, dim=128, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=384,
                              rope_theta=10000.0, norm_eps=1e-6, tie_embeddings=True, qk_head_dim=128,
-                             attn_soft_cap=50.0, final_soft_cap=30.0, sliding_window=32, global_every=2),
+                             attn_soft_cap=50.0, final_soft_cap=30.0, sliding_window=32, global_every=2,
+                             block="gemma2"),
     "gpt_oss_20b": ModelDims(vocab_size=201088, dim=2880, n_layers=24, n_heads=64, n_kv_heads=8, ffn_dim=2880,
                              rope_theta=150000.0, qk_head_dim=64, sliding_window=128, global_every=2, sinks=True),
     "gpt_oss_tiny": ModelDims(vocab_size=384, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=384,
@@ -104,6 +111,9 @@ PRESETS = {
     "deepseek_tiny": ModelDims(vocab_size=384, dim=128, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=384,
                                rope_theta=10000.0, tie_embeddings=True, qk_head_dim=48, v_head_dim=32),
 }
+
+
+BLOCKS = ("llama", "gemma2")
 
 
 class RMSNorm(nn.Module):
@@ -196,6 +206,8 @@ class Attention(nn.Module):
     v = _dense(d.n_kv_heads * vd, "wv", self.dtype)(x).reshape(b, s, d.n_kv_heads, vd)
     sinks = self.param("sinks", INITIALIZERS["sinks"], (d.n_heads,), jnp.float32) if d.sinks else None
     q, k = rope(q, positions, d.rope_theta, d.rope_scaling), rope(k, positions, d.rope_theta, d.rope_scaling)
+    if d.query_pre_attn_scalar is not None:  # the kernels scale q·k by hd^-1/2; Gemma 2 wants this scalar's
+      q = (q.astype(jnp.float32) * (hd / d.query_pre_attn_scalar) ** 0.5).astype(q.dtype)
     self.sow("activations", "qkv", (q, k, v))  # kept only when applied with mutable=["activations"]
     if self.decode:
       out, certified = self._decode(q, k, v, positions, sinks), jnp.zeros((), jnp.float32)
@@ -224,9 +236,11 @@ class MLP(nn.Module):
 
   @nn.compact
   def __call__(self, x):
+    """SwiGLU (Llama), or GeGLU with the tanh GELU (Gemma 2)."""
     gate = _dense(self.dims.ffn_dim, "w1", self.dtype)(x)
     up = _dense(self.dims.ffn_dim, "w3", self.dtype)(x)
-    return _dense(self.dims.dim, "w2", self.dtype)(nn.silu(gate) * up)
+    act = nn.gelu(gate, approximate=True) if self.dims.block == "gemma2" else nn.silu(gate)
+    return _dense(self.dims.dim, "w2", self.dtype)(act * up)
 
 
 class Block(nn.Module):
@@ -238,11 +252,14 @@ class Block(nn.Module):
 
   @nn.compact
   def __call__(self, x, positions, segment_ids):
-    h = RMSNorm(self.dims.norm_eps, self.dtype, name="attention_norm")(x)
+    """Pre-norm residual blocks; Gemma 2 also norms each branch's output before adding it."""
+    sandwich = self.dims.block == "gemma2"
+    norm = lambda name, h: RMSNorm(self.dims.norm_eps, self.dtype, name=name)(h)
     attention = Attention(self.dims, self.attend, self.dtype, self.decode, self.window, name="attention")
-    x = x + attention(h, positions, segment_ids)
-    h = RMSNorm(self.dims.norm_eps, self.dtype, name="mlp_norm")(x)
-    return x + MLP(self.dims, self.dtype, name="mlp")(h)
+    h = attention(norm("attention_norm", x), positions, segment_ids)
+    x = x + (norm("attention_out_norm", h) if sandwich else h)
+    h = MLP(self.dims, self.dtype, name="mlp")(norm("mlp_norm", x))
+    return x + (norm("mlp_out_norm", h) if sandwich else h)
 
 
 class Transformer(nn.Module):
@@ -262,6 +279,8 @@ class Transformer(nn.Module):
       policy = jax.checkpoint_policies.checkpoint_dots if self.remat == "dots" else None
       block = nn.remat(Block, policy=policy)
     x = embed(tokens)
+    if self.dims.block == "gemma2":  # Gemma scales its embeddings by sqrt(dim), in the compute dtype
+      x = x * jnp.asarray(self.dims.dim ** 0.5, self.dtype)
     for i in range(self.dims.n_layers):
       layer = block(self.dims, self.attend, self.dtype, self.decode, self.dims.layer_window(i), name=f"layer_{i}")
       x = layer(x, positions, segment_ids)
@@ -326,10 +345,13 @@ def resolve_dims(model_cfg, tokenizer_vocab: int) -> ModelDims:
     value = getattr(dims, name)
     if value is not None and value < 1:
       raise ConfigError(f"model.{name}={value} must be >= 1, or null")
-  for name in ("attn_soft_cap", "final_soft_cap"):
+  if dims.block not in BLOCKS:
+    raise ConfigError(f"model.block={dims.block!r} must be one of {BLOCKS}")
+  for name, what in (("attn_soft_cap", "logits become c·tanh(s / c)"), ("final_soft_cap", "logits become c·tanh(s / c)"),
+                     ("query_pre_attn_scalar", "q·k is scaled by its −1/2 power")):
     value = getattr(dims, name)
     if value is not None and not (math.isfinite(value) and value > 0):
-      raise ConfigError(f"model.{name}={value} must be a positive number (logits become c·tanh(s / c)), or null")
+      raise ConfigError(f"model.{name}={value} must be a positive number ({what}), or null")
   if dims.rope_scaling is not None and (len(dims.rope_scaling) != 4 or not dims.rope_scaling[2] > dims.rope_scaling[1]):
     raise ConfigError(f"model.rope_scaling={list(dims.rope_scaling)} must be [factor, low_freq_factor, "
                       "high_freq_factor, original_max_positions] with high_freq_factor > low_freq_factor (Llama 3.1+)")

@@ -1,5 +1,5 @@
-"""Writes a tiny random Hugging Face Llama (or, with --mistral-window W, a Mistral with sliding window W) as
-safetensors, and its logits on fixed tokens.
+"""Writes a tiny random Hugging Face Llama (or, with --mistral-window W, a Mistral with sliding window W; with
+--gemma2, a Gemma 2) as safetensors, and its logits on fixed tokens.
 
 Runs under a Python with torch + transformers (scripts/setup.sh makes .venv-hf with
 Python 3.11 and the CPU torch wheel); tests/test_hf.py compares our Flax model's logits,
@@ -17,11 +17,21 @@ import pathlib
 
 import numpy as np
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+from transformers import (Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                          MistralForCausalLM)
 
 TINY = dict(vocab_size=384, hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
             max_position_embeddings=512, attention_bias=False, mlp_bias=False)
+
+
+# Gemma 2's block with every option biting at 64 tokens: window 16 on layers 0 and 2, caps small enough to bend
+# random logits, and a query_pre_attn_scalar other than the head dim.
+GEMMA2 = dict(vocab_size=384, hidden_size=128, intermediate_size=384, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=32, hidden_activation="gelu_pytorch_tanh", rope_theta=10000.0,
+              rms_norm_eps=1e-6, tie_word_embeddings=True, max_position_embeddings=512, attention_bias=False,
+              query_pre_attn_scalar=24, sliding_window=16, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+              attn_implementation="eager")
 
 
 def main():
@@ -34,6 +44,7 @@ def main():
                       metavar=("FACTOR", "LOW", "HIGH", "ORIGINAL"), help="Llama 3's RoPE scaling for the random model")
   parser.add_argument("--mistral-window", type=int, default=None,
                       help="a Mistral with this sliding_window (shorter than the 64 tokens) instead of a Llama")
+  parser.add_argument("--gemma2", action="store_true", help="a Gemma 2 (GEMMA2 below) instead of a Llama")
   args = parser.parse_args()
   if args.load:
     model = LlamaForCausalLM.from_pretrained(args.load, torch_dtype=torch.float32).eval()
@@ -48,15 +59,18 @@ def main():
     factor, low, high, original = args.rope_scaling
     config["rope_scaling"] = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
                               "high_freq_factor": high, "original_max_position_embeddings": int(original)}
-  if args.mistral_window:
+  if args.gemma2:
+    config = dict(GEMMA2)
+    model = Gemma2ForCausalLM(Gemma2Config(**config)).float().eval()
+  elif args.mistral_window:
     config["sliding_window"] = args.mistral_window
     model = MistralForCausalLM(MistralConfig(**config)).float().eval()
   else:
     model = LlamaForCausalLM(LlamaConfig(**config)).float().eval()
-  with torch.no_grad():  # HF's init leaves norms at 1; randomise them so the test sees their scales
+  with torch.no_grad():  # HF's init leaves norms at 1 (Gemma's (1 + w) at w = 0); randomise them
     for name, p in model.named_parameters():
       if "norm" in name:
-        p.uniform_(0.5, 1.5)
+        p.uniform_(-0.5, 0.5) if args.gemma2 else p.uniform_(0.5, 1.5)
   model.save_pretrained(out, safe_serialization=True)
   tokens = torch.from_numpy(np.random.default_rng(args.seed).integers(0, TINY["vocab_size"], (2, 64)))
   with torch.no_grad():

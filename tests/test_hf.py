@@ -47,6 +47,19 @@ def hf_tiny_mistral(tmp_path_factory):
   return _hf_reference(tmp_path_factory, "hf_tiny_mistral", "--mistral-window", "16")
 
 
+@pytest.fixture(scope="module")
+def hf_tiny_gemma2(tmp_path_factory):
+  return _hf_reference(tmp_path_factory, "hf_tiny_gemma2", "--gemma2")
+
+
+# scripts/hf_reference.py's GEMMA2, as model.* keys
+GEMMA2 = ["model.dtype=float32", "model.preset=gemma2_tiny", "model.dim=128", "model.n_layers=3", "model.n_heads=4",
+          "model.n_kv_heads=2", "model.qk_head_dim=32", "model.ffn_dim=384", "model.vocab_size=384",
+          "model.rope_theta=10000.0", "model.norm_eps=1e-6", "model.sliding_window=16", "model.global_every=2",
+          "model.attn_soft_cap=2.0", "model.final_soft_cap=3.0", "model.query_pre_attn_scalar=24",
+          "data.seq_len=64", "mesh.data=1"]
+
+
 TINY = ["model.dtype=float32", "model.dim=128", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
         "model.ffn_dim=384", "model.vocab_size=384", "model.rope_theta=10000.0", "model.norm_eps=1e-5",
         "model.tie_embeddings=false", "data.seq_len=64", "mesh.data=1"]
@@ -64,6 +77,40 @@ def test_logits_match_transformers_llama(hf_tiny, hf_tiny_llama3, tmp_path, atte
   got = np.asarray(trainer.logits(params, tokens))
   rel = np.linalg.norm(got - want) / np.linalg.norm(want)
   assert rel < 1e-4, rel
+
+
+@pytest.mark.parametrize("attention", ["clis", "dot_product"])
+def test_logits_match_transformers_gemma2(hf_tiny_gemma2, tmp_path, attention):
+  """Gemma 2's block (sandwich norms, GeGLU, (1 + w) norms, sqrt(dim)-scaled embeddings, query_pre_attn_scalar)
+  with its alternating window and both soft caps, imported from safetensors, against transformers."""
+  cfg = load_config(str(ROOT / "recipes" / "cpt_tiny.yaml"), [f"run_dir={tmp_path}", f"attention={attention}",
+                                                              *GEMMA2])
+  trainer = Trainer(cfg)
+  params = checkpoint.load_params(str(hf_tiny_gemma2), trainer.abstract_state["params"], dims=trainer.dims)
+  tokens = np.load(hf_tiny_gemma2 / "tokens.npy").astype(np.int32)
+  want = np.load(hf_tiny_gemma2 / "logits.npy")
+  got = np.asarray(trainer.logits(params, tokens))
+  rel = np.linalg.norm(got - want) / np.linalg.norm(want)
+  assert rel < 1e-4, rel
+
+
+def test_a_gemma2_config_that_our_block_is_not_is_one_clear_error(hf_tiny_gemma2, tmp_path):
+  """Each Gemma 2 setting the model does not share is named with its model.* key; a layer pattern or activation our
+  block does not run is one error."""
+  cfg = load_config(str(ROOT / "recipes" / "cpt_tiny.yaml"), [f"run_dir={tmp_path}", *GEMMA2[:-2],
+                                                              "model.query_pre_attn_scalar=32", "model.block=llama",
+                                                              "data.seq_len=64", "mesh.data=1"])
+  trainer = Trainer(cfg)
+  with pytest.raises(checkpoint.CheckpointError, match=r"set model\.block='gemma2' \(ours: 'llama'\), "
+                                                          r"model\.query_pre_attn_scalar=24 \(ours: 32\.0\)"):
+    checkpoint.load_params(str(hf_tiny_gemma2), trainer.abstract_state["params"], dims=trainer.dims)
+  config = json.loads((hf_tiny_gemma2 / "config.json").read_text())
+  odd = tmp_path / "odd"
+  odd.mkdir()
+  (odd / "model.safetensors").symlink_to(hf_tiny_gemma2 / "model.safetensors")
+  (odd / "config.json").write_text(json.dumps({**config, "layer_types": ["full_attention"] * 3}))
+  with pytest.raises(checkpoint.CheckpointError, match="alternates sliding and full attention layers"):
+    checkpoint.load_params(str(odd), trainer.abstract_state["params"], dims=trainer.dims)
 
 
 @pytest.mark.parametrize("attention", ["clis", "dot_product"])
@@ -90,7 +137,7 @@ def test_a_checkpoint_of_another_shape_or_architecture_is_one_clear_error(hf_tin
   trainer = Trainer(cfg)
   with pytest.raises(checkpoint.CheckpointError, match=r"set model.rope_theta=10000.0 \(ours: 500000.0\)"):
     checkpoint.load_params(str(hf_tiny), trainer.abstract_state["params"], dims=trainer.dims)
-  for kind, lacks in (("gemma2", "post-attention and post-MLP norms"), ("gpt_oss", "mixture-of-experts MLP"),
+  for kind, lacks in (("gemma3", "QK norms"), ("gpt_oss", "mixture-of-experts MLP"),
                       ("deepseek_v3", "MLA's low-rank")):
     folder = tmp_path / kind
     folder.mkdir()
