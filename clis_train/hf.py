@@ -201,23 +201,53 @@ def llama_config(dims, *, max_positions: int, bos_id, eos_id) -> dict:
           "torch_dtype": "float32"}
 
 
+def _int_if_whole(x):
+  return int(x) if float(x).is_integer() else x
+
+
+def gemma2_config(dims, *, max_positions: int, bos_id, eos_id) -> dict:
+  """transformers' Gemma2Config for a model.block=gemma2 model: its layers all full (no window) or alternating
+  from a sliding one (global_every=2); other dims beyond Gemma 2's get an error naming them."""
+  beyond = [name for name in ("v_head_dim", "sinks", "rope_scaling") if getattr(dims, name) not in (None, False)]
+  if dims.sliding_window is not None and dims.global_every != 2:
+    beyond.append(f"global_every={dims.global_every} (Gemma 2 alternates from a sliding layer: 2)")
+  if beyond:
+    raise ValueError(f"a gemma2 model with {', '.join(beyond)} has no Hugging Face Gemma 2 config; export it as an "
+                     "orbax checkpoint (its run folder) instead")
+  kinds = ["sliding_attention" if dims.sliding_window is not None and i % 2 == 0 else "full_attention"
+           for i in range(dims.n_layers)]
+  return {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "vocab_size": dims.vocab_size,
+          "hidden_size": dims.dim, "intermediate_size": dims.ffn_dim, "num_hidden_layers": dims.n_layers,
+          "num_attention_heads": dims.n_heads, "num_key_value_heads": dims.n_kv_heads, "head_dim": dims.head_dim,
+          "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": dims.norm_eps, "rope_theta": dims.rope_theta,
+          "rope_parameters": {"rope_type": "default", "rope_theta": dims.rope_theta},
+          "query_pre_attn_scalar": _int_if_whole(dims.query_pre_attn_scalar or dims.head_dim),  # Gemma2Config: int
+          "sliding_window": dims.sliding_window or max_positions, "layer_types": kinds,
+          "attn_logit_softcapping": dims.attn_soft_cap, "final_logit_softcapping": dims.final_soft_cap,
+          "tie_word_embeddings": dims.tie_embeddings, "max_position_embeddings": max_positions,
+          "attention_bias": False, "bos_token_id": bos_id, "eos_token_id": eos_id, "torch_dtype": "float32"}
+
+
 def save_llama_safetensors(params, dims, folder: pathlib.Path, *, max_positions: int, tokenizer_path: str | None,
                            bos_id=None, eos_id=None) -> list[pathlib.Path]:
-  """Writes model.safetensors (float32, Hugging Face names and [out, in] layout) and config.json,
-  plus tokenizer.json when the run had one; returns the files written. The folder must not exist or
-  be empty: an export never overwrites."""
+  """Writes model.safetensors (float32, Hugging Face names and [out, in] layout) and config.json (Llama's, or
+  Gemma 2's for model.block=gemma2, whose norms go out as w of (1 + w)), plus tokenizer.json when the run had one;
+  returns the files written. The folder must not exist or be empty: an export never overwrites."""
   from safetensors.numpy import save_file
   folder = pathlib.Path(folder)
   if folder.exists() and any(folder.iterdir()):
     raise FileExistsError(f"--hf {str(folder)!r} exists and is not empty; choose a new folder (an export never "
                           "overwrites)")
-  config = llama_config(dims, max_positions=max_positions, bos_id=bos_id, eos_id=eos_id)  # before any file
+  make_config = gemma2_config if dims.block == "gemma2" else llama_config
+  config = make_config(dims, max_positions=max_positions, bos_id=bos_id, eos_id=eos_id)  # before any file
   folder.mkdir(parents=True, exist_ok=True)
   tensors = {}
   for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
     keys = tuple(p.key for p in path)
     value = np.asarray(leaf, np.float32)
-    tensors[_hf_name(keys)] = np.ascontiguousarray(value.T if keys[-1] == "kernel" else value)
+    if keys[-1] == "scale" and dims.block == "gemma2":
+      value = value - 1.0
+    tensors[_hf_name(keys, dims.block)] = np.ascontiguousarray(value.T if keys[-1] == "kernel" else value)
   written = [folder / "model.safetensors", folder / "config.json"]
   save_file(tensors, str(written[0]), metadata={"format": "pt"})
   written[1].write_text(json.dumps(config, indent=1))

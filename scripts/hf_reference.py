@@ -4,7 +4,7 @@
 Runs under a Python with torch + transformers (scripts/setup.sh makes .venv-hf with
 Python 3.11 and the CPU torch wheel); tests/test_hf.py compares our Flax model's logits,
 after importing the safetensors, against the ones written here. With --load it instead loads
-a folder `clis-train export` wrote (LlamaForCausalLM.from_pretrained) and writes its logits
+a folder `clis-train export` wrote (AutoModelForCausalLM.from_pretrained: Llama or Gemma 2) and writes its logits
 on the tokens in --tokens.
 
   .venv-hf/bin/python scripts/hf_reference.py --out /tmp/hf_tiny
@@ -17,7 +17,7 @@ import pathlib
 
 import numpy as np
 import torch
-from transformers import (Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
+from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
                           MistralForCausalLM)
 
 TINY = dict(vocab_size=384, hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
@@ -47,7 +47,8 @@ def main():
   parser.add_argument("--gemma2", action="store_true", help="a Gemma 2 (GEMMA2 below) instead of a Llama")
   args = parser.parse_args()
   if args.load:
-    model = LlamaForCausalLM.from_pretrained(args.load, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(args.load, torch_dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
     with torch.no_grad():
       logits = model(torch.from_numpy(np.load(args.tokens).astype(np.int64))).logits.numpy()
     np.save(args.out, logits)

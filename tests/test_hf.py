@@ -94,6 +94,23 @@ def test_logits_match_transformers_gemma2(hf_tiny_gemma2, tmp_path, attention):
   assert rel < 1e-4, rel
 
 
+def test_a_gemma2_export_loads_in_transformers_with_the_same_logits(hf_tiny_gemma2, tmp_path):
+  """Imported, exported (Gemma 2's config and (1 + w) norms written back as w) and loaded by transformers: the
+  original model's logits."""
+  from clis_train import hf
+  cfg = load_config(str(ROOT / "recipes" / "cpt_tiny.yaml"), [f"run_dir={tmp_path / 'run'}", *GEMMA2])
+  trainer = Trainer(cfg)
+  params = checkpoint.load_params(str(hf_tiny_gemma2), trainer.abstract_state["params"], dims=trainer.dims)
+  folder = tmp_path / "exported"
+  hf.save_llama_safetensors(params, trainer.dims, folder, max_positions=512, tokenizer_path=None)
+  config = json.loads((folder / "config.json").read_text())
+  assert config["layer_types"] == ["sliding_attention", "full_attention", "sliding_attention"]
+  subprocess.run([HF_PYTHON, str(ROOT / "scripts" / "hf_reference.py"), "--load", str(folder), "--tokens",
+                  str(hf_tiny_gemma2 / "tokens.npy"), "--out", str(tmp_path / "logits.npy")], check=True)
+  want, got = np.load(hf_tiny_gemma2 / "logits.npy"), np.load(tmp_path / "logits.npy")
+  assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
+
+
 def test_a_gemma2_config_that_our_block_is_not_is_one_clear_error(hf_tiny_gemma2, tmp_path):
   """Each Gemma 2 setting the model does not share is named with its model.* key; a layer pattern or activation our
   block does not run is one error."""
