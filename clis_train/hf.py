@@ -1,5 +1,5 @@
-"""Hugging Face Llama, Mistral and Gemma 2 weights (safetensors) into the Flax model's parameter tree, and Llama
-back out.
+"""Hugging Face Llama, Mistral, Qwen 2/3 and Gemma 2 weights (safetensors) into the Flax model's parameter tree, and
+Llama and Gemma 2 back out.
 
 HF stores linear weights as [out, in]; Flax Dense kernels are [in, out]. Names map as
 model.layers.{i}.self_attn.{q,k,v,o}_proj → layer_{i}/attention/w{q,k,v,o},
@@ -7,9 +7,10 @@ mlp.{gate,up,down}_proj → mlp/w{1,3,2}, input_layernorm → attention_norm,
 post_attention_layernorm → mlp_norm; embed_tokens → embed; model.norm → norm; lm_head. Gemma 2's four norms a
 layer: input_layernorm → attention_norm, post_attention_layernorm → attention_out_norm, pre_feedforward_layernorm →
 mlp_norm, post_feedforward_layernorm → mlp_out_norm; its norms multiply by (1 + w), so the import adds one.
+Qwen 2's self_attn.{q,k,v}_proj.bias → attention/w{q,k,v}/bias; Qwen 3's self_attn.{q,k}_norm → attention/{q,k}_norm.
 Both sides use the rotate-half RoPE layout, so no permutation is needed. A folder's config.json says what it
-holds: Llama, Mistral and Gemma 2 load (their dims must match the model's); other architectures get one error that
-names what our blocks lack for them.
+holds: Llama, Mistral, Qwen 2/3 and Gemma 2 load (their dims must match the model's); other architectures get one
+error that names what our blocks lack for them.
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ _LAYER = {
     ("mlp", "w2", "kernel"): "mlp.down_proj.weight",
     ("attention_norm", "scale"): "input_layernorm.weight",
     ("mlp_norm", "scale"): "post_attention_layernorm.weight",
+    ("attention", "wq", "bias"): "self_attn.q_proj.bias",  # Qwen 2
+    ("attention", "wk", "bias"): "self_attn.k_proj.bias",
+    ("attention", "wv", "bias"): "self_attn.v_proj.bias",
+    ("attention", "q_norm", "scale"): "self_attn.q_norm.weight",  # Qwen 3
+    ("attention", "k_norm", "scale"): "self_attn.k_norm.weight",
 }
 
 
@@ -41,8 +47,8 @@ _GEMMA2_LAYER = {**{k: v for k, v in _LAYER.items() if k[0] != "mlp_norm"},
                  ("mlp_norm", "scale"): "pre_feedforward_layernorm.weight",
                  ("mlp_out_norm", "scale"): "post_feedforward_layernorm.weight"}
 
-LLAMA_LIKE = ("llama", "mistral")
-LOADS = (*LLAMA_LIKE, "gemma2")  # model_type values whose weights load (model.block: llama, llama, gemma2)
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")  # model.block llama (Qwen 2: model.qkv_bias, 3: model.qk_norm)
+LOADS = (*LLAMA_LIKE, "gemma2")  # model_type values whose weights load
 # model_type -> what our blocks lack to run that architecture's weights (its attention shape may still be a preset)
 MISSING = {
     "gemma": "GeGLU MLPs, (1 + w) norm weights and sqrt(dim)-scaled embeddings",
@@ -54,8 +60,6 @@ MISSING = {
                    "mixture-of-experts MLPs (model.preset=deepseek_v2_lite trains MLA's head dims from scratch)",
     "deepseek_v3": "MLA's low-rank query and key/value projections with their decoupled RoPE, and the "
                    "mixture-of-experts MLPs",
-    "qwen2": "the biases of the q, k and v projections",
-    "qwen3": "the q and k RMSNorms (QK norm)",
 }
 
 
@@ -74,12 +78,15 @@ def check_config(folder: pathlib.Path, dims) -> None:
   if kind not in LOADS:
     lacks = MISSING.get(kind, "its layers (only Llama-architecture weights load)")
     raise ValueError(f"{str(folder)!r} holds a {kind!r} model (config.json model_type); clis-train's model loads "
-                     f"Llama, Mistral and Gemma 2 weights and lacks {lacks}")
+                     f"Llama, Mistral, Qwen 2/3 and Gemma 2 weights and lacks {lacks}")
   if kind == "gemma2":
     _check_gemma2(folder, config)
   if config.get("attention_bias") or config.get("mlp_bias"):
     raise ValueError(f"{str(folder)!r} has biases (attention_bias / mlp_bias in config.json); clis-train's model "
-                     "has none")
+                     "has q, k and v biases only (model.qkv_bias, Qwen 2's)")
+  if kind == "qwen2" and config.get("use_sliding_window"):
+    raise ValueError(f"{str(folder)!r} config.json use_sliding_window=true (Qwen 2's window on layers past "
+                     "max_window_layers); clis-train's model windows all layers or alternate ones")
   scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
   kind_of_rope = scaling.get("rope_type", scaling.get("type", "default"))
   if kind_of_rope not in ("default", "llama3"):
@@ -97,6 +104,7 @@ def check_config(folder: pathlib.Path, dims) -> None:
       "tie_embeddings": config.get("tie_word_embeddings", False),
       "sliding_window": config.get("sliding_window") if kind in ("mistral", "gemma2") else None,
       "rope_scaling": rope_scaling, "block": "gemma2" if kind == "gemma2" else "llama",
+      "qkv_bias": kind == "qwen2", "qk_norm": kind == "qwen3",
   }
   if kind == "gemma2":
     want.update(attn_soft_cap=config.get("attn_logit_softcapping"), final_soft_cap=config.get("final_logit_softcapping"),
@@ -179,7 +187,7 @@ def llama_config(dims, *, max_positions: int, bos_id, eos_id) -> dict:
   rope_parameters, as transformers 5 writes it). Dims beyond Llama's (a window, caps, sinks, a split v head dim)
   have no Llama config: an error names them."""
   beyond = [name for name in ("v_head_dim", "attn_soft_cap", "final_soft_cap", "sliding_window", "sinks",
-                              "query_pre_attn_scalar") if getattr(dims, name) not in (None, False)]
+                              "query_pre_attn_scalar", "qkv_bias", "qk_norm") if getattr(dims, name) not in (None, False)]
   if dims.block != "llama":
     beyond.append(f"block={dims.block!r}")
   if beyond:
@@ -208,7 +216,8 @@ def _int_if_whole(x):
 def gemma2_config(dims, *, max_positions: int, bos_id, eos_id) -> dict:
   """transformers' Gemma2Config for a model.block=gemma2 model: its layers all full (no window) or alternating
   from a sliding one (global_every=2); other dims beyond Gemma 2's get an error naming them."""
-  beyond = [name for name in ("v_head_dim", "sinks", "rope_scaling") if getattr(dims, name) not in (None, False)]
+  beyond = [name for name in ("v_head_dim", "sinks", "rope_scaling", "qkv_bias", "qk_norm")
+            if getattr(dims, name) not in (None, False)]
   if dims.sliding_window is not None and dims.global_every != 2:
     beyond.append(f"global_every={dims.global_every} (Gemma 2 alternates from a sliding layer: 2)")
   if beyond:

@@ -4,8 +4,9 @@ The attention options of the other popular families ride on the same blocks: an 
 (Gemma: 256), a value head dim other than the q·k one (MLA's shapes: 192 / 128), a logits soft cap and a
 final-logits cap (Gemma 2), a sliding window on some or all layers (Mistral, Gemma 2/3, gpt-oss) and learned
 per-head sink logits (gpt-oss). `block="gemma2"` is Gemma 2's block: norms after attention and after the MLP too,
-a GeGLU MLP (tanh GELU), embeddings scaled by sqrt(dim), and q·k scaled by query_pre_attn_scalar^-1/2. The other
-families' MLPs and norms stay Llama's: their presets take their attention's shape.
+a GeGLU MLP (tanh GELU), embeddings scaled by sqrt(dim), and q·k scaled by query_pre_attn_scalar^-1/2;
+`qkv_bias` adds Qwen 2's q, k and v biases and `qk_norm` Qwen 3's RMSNorm of each q and k head. The other families'
+MLPs and norms stay Llama's: their presets take their attention's shape.
 
 Parameters are float32 (master weights); activations run in `dtype` (bf16 by default).
 Attention has one call site, `Attention.__call__`, which calls the function the trainer
@@ -52,6 +53,8 @@ class ModelDims:
                                                                  #   high_freq_factor, original_max_positions)
   block: str = "llama"  # llama | gemma2 (BLOCKS)
   query_pre_attn_scalar: float | None = None  # q·k scaled by its −1/2 power instead of the head dim's (Gemma 2)
+  qkv_bias: bool = False  # biases on the q, k and v projections (Qwen 2)
+  qk_norm: bool = False  # an RMSNorm over each q and k head before RoPE (Qwen 3)
 
   @property
   def head_dim(self) -> int:
@@ -73,7 +76,9 @@ class ModelDims:
     hd, vd = self.head_dim, self.value_dim
     attn = self.dim * (hd * (self.n_heads + self.n_kv_heads) + vd * (self.n_kv_heads + self.n_heads))
     norms = 4 if self.block == "gemma2" else 2
-    layer = attn + 3 * self.dim * self.ffn_dim + norms * self.dim + (self.n_heads if self.sinks else 0)
+    extra = (hd * (self.n_heads + self.n_kv_heads) + vd * self.n_kv_heads if self.qkv_bias else 0) + (
+        2 * hd if self.qk_norm else 0) + (self.n_heads if self.sinks else 0)
+    layer = attn + 3 * self.dim * self.ffn_dim + norms * self.dim + extra
     embed = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
     return self.n_layers * layer + embed + self.dim
 
@@ -88,6 +93,10 @@ PRESETS = {
                     tie_embeddings=True, rope_scaling=(32.0, 1.0, 4.0, 8192.0)),  # Llama-3.2-3B's (head dim 128)
     "8b": ModelDims(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
                     rope_scaling=(8.0, 1.0, 4.0, 8192.0)),  # Llama-3.1-8B's
+    "qwen2_5_7b": ModelDims(vocab_size=152064, dim=3584, n_layers=28, n_heads=28, n_kv_heads=4, ffn_dim=18944,
+                            rope_theta=1000000.0, norm_eps=1e-6, qkv_bias=True),  # Qwen2.5-7B's
+    "qwen3_8b": ModelDims(vocab_size=151936, dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, ffn_dim=12288,
+                          rope_theta=1000000.0, norm_eps=1e-6, qk_head_dim=128, qk_norm=True),  # Qwen3-8B's
     # The other families' attention on Llama blocks (their MLPs, norms and mixtures of experts are not modelled):
     # Gemma-2-2B's (head dim 256, caps 50 and 30, window 4096 on alternate layers), gpt-oss-20b's (64/8 heads of
     # 64, learned sinks, window 128 on alternate layers; a dense MLP of its experts' width) and DeepSeek-V2-Lite's
@@ -155,12 +164,12 @@ def rope(x, positions, theta, scaling=None):
 # `init_params` draws each leaf from it directly, so initialising never traces the forward.
 WEIGHT_INIT = nn.initializers.normal(0.02)  # Dense kernels and the embedding
 INITIALIZERS = {"kernel": WEIGHT_INIT, "embedding": WEIGHT_INIT, "scale": nn.initializers.ones,
-                "sinks": nn.initializers.zeros}
+                "bias": nn.initializers.zeros, "sinks": nn.initializers.zeros}
 
 
-def _dense(features, name, dtype):
-  return nn.Dense(features, use_bias=False, dtype=dtype, param_dtype=jnp.float32, name=name,
-                  kernel_init=INITIALIZERS["kernel"])
+def _dense(features, name, dtype, bias: bool = False):
+  return nn.Dense(features, use_bias=bias, dtype=dtype, param_dtype=jnp.float32, name=name,
+                  kernel_init=INITIALIZERS["kernel"], bias_init=INITIALIZERS["bias"])
 
 
 def soft_cap(x, cap):
@@ -201,9 +210,11 @@ class Attention(nn.Module):
   def __call__(self, x, positions, segment_ids):
     d, b, s = self.dims, x.shape[0], x.shape[1]
     hd, vd = d.head_dim, d.value_dim
-    q = _dense(d.n_heads * hd, "wq", self.dtype)(x).reshape(b, s, d.n_heads, hd)
-    k = _dense(d.n_kv_heads * hd, "wk", self.dtype)(x).reshape(b, s, d.n_kv_heads, hd)
-    v = _dense(d.n_kv_heads * vd, "wv", self.dtype)(x).reshape(b, s, d.n_kv_heads, vd)
+    q = _dense(d.n_heads * hd, "wq", self.dtype, d.qkv_bias)(x).reshape(b, s, d.n_heads, hd)
+    k = _dense(d.n_kv_heads * hd, "wk", self.dtype, d.qkv_bias)(x).reshape(b, s, d.n_kv_heads, hd)
+    v = _dense(d.n_kv_heads * vd, "wv", self.dtype, d.qkv_bias)(x).reshape(b, s, d.n_kv_heads, vd)
+    if d.qk_norm:
+      q, k = RMSNorm(d.norm_eps, self.dtype, name="q_norm")(q), RMSNorm(d.norm_eps, self.dtype, name="k_norm")(k)
     sinks = self.param("sinks", INITIALIZERS["sinks"], (d.n_heads,), jnp.float32) if d.sinks else None
     q, k = rope(q, positions, d.rope_theta, d.rope_scaling), rope(k, positions, d.rope_theta, d.rope_scaling)
     if d.query_pre_attn_scalar is not None:  # the kernels scale q·k by hd^-1/2; Gemma 2 wants this scalar's

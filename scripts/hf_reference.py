@@ -1,5 +1,6 @@
 """Writes a tiny random Hugging Face Llama (or, with --mistral-window W, a Mistral with sliding window W; with
---gemma2, a Gemma 2) as safetensors, and its logits on fixed tokens.
+--gemma2, a Gemma 2; with --qwen2 / --qwen3, a Qwen 2 (q, k, v biases) / Qwen 3 (QK norms)) as safetensors, and its
+logits on fixed tokens.
 
 Runs under a Python with torch + transformers (scripts/setup.sh makes .venv-hf with
 Python 3.11 and the CPU torch wheel); tests/test_hf.py compares our Flax model's logits,
@@ -17,8 +18,9 @@ import pathlib
 
 import numpy as np
 import torch
-from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                          MistralForCausalLM)
+from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM,
+                          MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM)
 
 TINY = dict(vocab_size=384, hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
@@ -45,6 +47,7 @@ def main():
   parser.add_argument("--mistral-window", type=int, default=None,
                       help="a Mistral with this sliding_window (shorter than the 64 tokens) instead of a Llama")
   parser.add_argument("--gemma2", action="store_true", help="a Gemma 2 (GEMMA2 below) instead of a Llama")
+  parser.add_argument("--qwen", type=int, choices=[2, 3], default=None, help="a Qwen 2 or 3 of TINY's dims")
   args = parser.parse_args()
   if args.load:
     model = AutoModelForCausalLM.from_pretrained(args.load, torch_dtype=torch.float32,
@@ -63,6 +66,11 @@ def main():
   if args.gemma2:
     config = dict(GEMMA2)
     model = Gemma2ForCausalLM(Gemma2Config(**config)).float().eval()
+  elif args.qwen:
+    config = {k: v for k, v in TINY.items() if k not in ("attention_bias", "mlp_bias")}
+    config["head_dim"] = TINY["hidden_size"] // TINY["num_attention_heads"]  # Qwen 3's default is 128
+    make, kind = (Qwen2ForCausalLM, Qwen2Config) if args.qwen == 2 else (Qwen3ForCausalLM, Qwen3Config)
+    model = make(kind(**config)).float().eval()
   elif args.mistral_window:
     config["sliding_window"] = args.mistral_window
     model = MistralForCausalLM(MistralConfig(**config)).float().eval()
@@ -72,6 +80,8 @@ def main():
     for name, p in model.named_parameters():
       if "norm" in name:
         p.uniform_(-0.5, 0.5) if args.gemma2 else p.uniform_(0.5, 1.5)
+      elif name.endswith("bias"):  # HF's init zeroes biases too
+        p.uniform_(-0.5, 0.5)
   model.save_pretrained(out, safe_serialization=True)
   tokens = torch.from_numpy(np.random.default_rng(args.seed).integers(0, TINY["vocab_size"], (2, 64)))
   with torch.no_grad():

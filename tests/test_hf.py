@@ -47,6 +47,12 @@ def hf_tiny_mistral(tmp_path_factory):
   return _hf_reference(tmp_path_factory, "hf_tiny_mistral", "--mistral-window", "16")
 
 
+@pytest.fixture(scope="module", params=[2, 3], ids=["qwen2", "qwen3"])
+def hf_tiny_qwen(request, tmp_path_factory):
+  """(version, folder): a Qwen 2 (q, k, v biases) or Qwen 3 (QK norms) of TINY's dims."""
+  return request.param, _hf_reference(tmp_path_factory, f"hf_tiny_qwen{request.param}", "--qwen", str(request.param))
+
+
 @pytest.fixture(scope="module")
 def hf_tiny_gemma2(tmp_path_factory):
   return _hf_reference(tmp_path_factory, "hf_tiny_gemma2", "--gemma2")
@@ -77,6 +83,23 @@ def test_logits_match_transformers_llama(hf_tiny, hf_tiny_llama3, tmp_path, atte
   got = np.asarray(trainer.logits(params, tokens))
   rel = np.linalg.norm(got - want) / np.linalg.norm(want)
   assert rel < 1e-4, rel
+
+
+@pytest.mark.parametrize("attention", ["clis", "dot_product"])
+def test_logits_match_transformers_qwen(hf_tiny_qwen, tmp_path, attention):
+  """Qwen 2 (model.qkv_bias) and Qwen 3 (model.qk_norm) on Llama's blocks, imported, against transformers."""
+  version, folder = hf_tiny_qwen
+  cfg = load_config(str(ROOT / "recipes" / "cpt_tiny.yaml"), [
+      f"run_dir={tmp_path}", f"attention={attention}", *TINY, f"model.{'qkv_bias' if version == 2 else 'qk_norm'}=true"])
+  trainer = Trainer(cfg)
+  params = checkpoint.load_params(str(folder), trainer.abstract_state["params"], dims=trainer.dims)
+  tokens = np.load(folder / "tokens.npy").astype(np.int32)
+  want = np.load(folder / "logits.npy")
+  got = np.asarray(trainer.logits(params, tokens))
+  assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-4
+  plain = load_config(str(ROOT / "recipes" / "cpt_tiny.yaml"), [f"run_dir={tmp_path / 'plain'}", *TINY])
+  with pytest.raises(checkpoint.CheckpointError, match=f"set model.{'qkv_bias' if version == 2 else 'qk_norm'}=True"):
+    checkpoint.load_params(str(folder), Trainer(plain).abstract_state["params"], dims=Trainer(plain).dims)
 
 
 @pytest.mark.parametrize("attention", ["clis", "dot_product"])
