@@ -60,10 +60,12 @@ class ModelConfig:
   global_every: int | None = None
   sinks: bool | None = None
   rope_scaling: tuple[float, ...] | None = None  # Llama 3.1+: [factor, low_freq_factor, high_freq_factor, original]
-  block: str | None = None  # llama | gemma2 (Gemma 2's sandwich norms, GeGLU, scaled embeddings)
+  block: str | None = None  # llama | gemma2 | gemma3 (Gemma's sandwich norms, GeGLU, scaled embeddings)
   query_pre_attn_scalar: float | None = None  # Gemma 2: q·k scaled by its −1/2 power
   qkv_bias: bool | None = None  # Qwen 2: biases on the q, k and v projections
-  qk_norm: bool | None = None  # Qwen 3: an RMSNorm over each q and k head
+  qk_norm: bool | None = None  # Qwen 3, Gemma 3: an RMSNorm over each q and k head
+  local_rope_theta: float | None = None  # Gemma 3: the windowed layers' RoPE base
+  rope_linear_factor: float | None = None  # Gemma 3 4B+: linear RoPE scaling of the layers that see every key
   dtype: str = "bfloat16"  # compute dtype; parameters stay float32 (the master weights)
   remat: str = "none"  # none | full | dots
 

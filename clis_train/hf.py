@@ -1,16 +1,17 @@
-"""Hugging Face Llama, Mistral, Qwen 2/3 and Gemma 2 weights (safetensors) into the Flax model's parameter tree, and
-Llama and Gemma 2 back out.
+"""Hugging Face Llama, Mistral, Qwen 2/3, Gemma 2 and Gemma 3 (text) weights (safetensors) into the Flax model's
+parameter tree, and Llama and Gemma 2 back out.
 
 HF stores linear weights as [out, in]; Flax Dense kernels are [in, out]. Names map as
 model.layers.{i}.self_attn.{q,k,v,o}_proj → layer_{i}/attention/w{q,k,v,o},
 mlp.{gate,up,down}_proj → mlp/w{1,3,2}, input_layernorm → attention_norm,
 post_attention_layernorm → mlp_norm; embed_tokens → embed; model.norm → norm; lm_head. Gemma 2's four norms a
 layer: input_layernorm → attention_norm, post_attention_layernorm → attention_out_norm, pre_feedforward_layernorm →
-mlp_norm, post_feedforward_layernorm → mlp_out_norm; its norms multiply by (1 + w), so the import adds one.
+mlp_norm, post_feedforward_layernorm → mlp_out_norm; its norms multiply by (1 + w), so the import adds one
+(Gemma 3's too, its QK norms included).
 Qwen 2's self_attn.{q,k,v}_proj.bias → attention/w{q,k,v}/bias; Qwen 3's self_attn.{q,k}_norm → attention/{q,k}_norm.
 Both sides use the rotate-half RoPE layout, so no permutation is needed. A folder's config.json says what it
-holds: Llama, Mistral, Qwen 2/3 and Gemma 2 load (their dims must match the model's); other architectures get one
-error that names what our blocks lack for them.
+holds: Llama, Mistral, Qwen 2/3, Gemma 2 and Gemma 3 text load (their dims must match the model's); other
+architectures get one error that names what our blocks lack for them.
 """
 
 from __future__ import annotations
@@ -48,12 +49,13 @@ _GEMMA2_LAYER = {**{k: v for k, v in _LAYER.items() if k[0] != "mlp_norm"},
                  ("mlp_out_norm", "scale"): "post_feedforward_layernorm.weight"}
 
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")  # model.block llama (Qwen 2: model.qkv_bias, 3: model.qk_norm)
-LOADS = (*LLAMA_LIKE, "gemma2")  # model_type values whose weights load
+GEMMA = {"gemma2": "gemma2", "gemma3_text": "gemma3"}  # model_type -> model.block
+LOADS = (*LLAMA_LIKE, *GEMMA)  # model_type values whose weights load
 # model_type -> what our blocks lack to run that architecture's weights (its attention shape may still be a preset)
 MISSING = {
     "gemma": "GeGLU MLPs, (1 + w) norm weights and sqrt(dim)-scaled embeddings",
-    "gemma3": "QK norms, the post-attention and post-MLP norms, GeGLU MLPs, (1 + w) norm weights and "
-              "sqrt(dim)-scaled embeddings",
+    "gemma3": "the vision tower of Gemma 3's multimodal checkpoints (text-only ones, model_type gemma3_text such "
+              "as Gemma 3 1B, load)",
     "gpt_oss": "the mixture-of-experts MLP and the attention biases (model.preset=gpt_oss_20b trains its "
                "attention's shape from scratch)",
     "deepseek_v2": "MLA's low-rank query and key/value projections with their decoupled RoPE, and the "
@@ -78,9 +80,9 @@ def check_config(folder: pathlib.Path, dims) -> None:
   if kind not in LOADS:
     lacks = MISSING.get(kind, "its layers (only Llama-architecture weights load)")
     raise ValueError(f"{str(folder)!r} holds a {kind!r} model (config.json model_type); clis-train's model loads "
-                     f"Llama, Mistral, Qwen 2/3 and Gemma 2 weights and lacks {lacks}")
-  if kind == "gemma2":
-    _check_gemma2(folder, config)
+                     f"Llama, Mistral, Qwen 2/3, Gemma 2 and Gemma 3 text weights and lacks {lacks}")
+  if kind in GEMMA:
+    _check_gemma(folder, config)
   if config.get("attention_bias") or config.get("mlp_bias"):
     raise ValueError(f"{str(folder)!r} has biases (attention_bias / mlp_bias in config.json); clis-train's model "
                      "has q, k and v biases only (model.qkv_bias, Qwen 2's)")
@@ -102,42 +104,63 @@ def check_config(folder: pathlib.Path, dims) -> None:
       "head_dim": config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
       "rope_theta": _rope_theta(config), "norm_eps": config.get("rms_norm_eps"),
       "tie_embeddings": config.get("tie_word_embeddings", False),
-      "sliding_window": config.get("sliding_window") if kind in ("mistral", "gemma2") else None,
-      "rope_scaling": rope_scaling, "block": "gemma2" if kind == "gemma2" else "llama",
-      "qkv_bias": kind == "qwen2", "qk_norm": kind == "qwen3",
+      "sliding_window": config.get("sliding_window") if kind in ("mistral", *GEMMA) else None,
+      "rope_scaling": rope_scaling, "block": GEMMA.get(kind, "llama"),
+      "qkv_bias": kind == "qwen2", "qk_norm": kind in ("qwen3", "gemma3_text"),
   }
-  if kind == "gemma2":
+  if kind in GEMMA:
     want.update(attn_soft_cap=config.get("attn_logit_softcapping"), final_soft_cap=config.get("final_logit_softcapping"),
-                query_pre_attn_scalar=config.get("query_pre_attn_scalar"), global_every=2,
+                query_pre_attn_scalar=config.get("query_pre_attn_scalar"), global_every=_global_every(config),
                 tie_embeddings=config.get("tie_word_embeddings", True))
+  if kind == "gemma3_text":
+    want.update(_gemma3_rope(folder, config))
   ours = {name: getattr(dims, name) for name in want}
-  if kind != "gemma2":
+  if kind not in GEMMA:
     ours["sliding_window"] = dims.sliding_window if dims.global_every is None else "on some layers only"
   ours["rope_scaling"] = None if dims.rope_scaling is None else list(dims.rope_scaling)
   same = lambda a, b: (a == b if not isinstance(a, float) or not isinstance(b, float)
                        else abs(a - b) <= 1e-9 * abs(a))
   differ = [f"model.{'qk_head_dim' if k == 'head_dim' else k}={v!r} (ours: {ours[k]!r})" for k, v in want.items()
             if v is not None and not same(v, ours[k])]
-  for name in ("sliding_window", "rope_scaling") + (("attn_soft_cap", "final_soft_cap", "query_pre_attn_scalar")
-                                                    if kind == "gemma2" else ()):  # absent: ours must be off too
+  for name in ("sliding_window", "rope_scaling") + (
+      ("attn_soft_cap", "final_soft_cap", "query_pre_attn_scalar", "local_rope_theta", "rope_linear_factor")
+      if kind in GEMMA else ()):  # absent in the checkpoint: ours must be off too
+    if name not in want:
+      continue
     if want[name] is None and ours[name] is not None:
       differ.append(f"model.{name}=null (ours: {ours[name]!r})")
   if differ:
     raise ValueError(f"{str(folder)!r} config.json differs from the model: set {', '.join(differ)}")
 
 
-def _check_gemma2(folder, config: dict) -> None:
-  """What a Gemma 2 config must say for our gemma2 block to be its model: the tanh GELU, and sliding and global
-  layers alternating from a sliding first (global_every=2)."""
+def _global_every(config: dict) -> int:
+  """model.global_every of a Gemma config: Gemma 2 alternates (2), Gemma 3 takes sliding_window_pattern (6)."""
+  return 2 if config.get("model_type") == "gemma2" else int(config.get("sliding_window_pattern", 6))
+
+
+def _check_gemma(folder, config: dict) -> None:
+  """What a Gemma 2 / 3 config must say for our gemma blocks to be its model: the tanh GELU, and global_every − 1
+  sliding layers before each full one (model.global_every)."""
   act = config.get("hidden_activation") or config.get("hidden_act")
   if act not in (None, "gelu_pytorch_tanh"):
-    raise ValueError(f"{str(folder)!r} config.json hidden_activation={act!r}; clis-train's gemma2 block runs "
+    raise ValueError(f"{str(folder)!r} config.json hidden_activation={act!r}; clis-train's gemma blocks run "
                      "gelu_pytorch_tanh")
-  kinds = config.get("layer_types")
-  if kinds is not None and list(kinds) != ["sliding_attention" if i % 2 == 0 else "full_attention"
+  kinds, every = config.get("layer_types"), _global_every(config)
+  if kinds is not None and list(kinds) != ["full_attention" if (i + 1) % every == 0 else "sliding_attention"
                                            for i in range(len(kinds))]:
-    raise ValueError(f"{str(folder)!r} config.json layer_types={kinds!r}; clis-train's gemma2 model alternates "
-                     "sliding and full attention layers from a sliding first (model.global_every=2)")
+    raise ValueError(f"{str(folder)!r} config.json layer_types={kinds!r}; clis-train's model puts a full attention "
+                     f"layer after every {every - 1} sliding ones (model.global_every={every})")
+
+
+def _gemma3_rope(folder, config: dict) -> dict:
+  """Gemma 3's two RoPEs as model.* values: rope_theta and rope_linear_factor (full layers), local_rope_theta."""
+  params = config.get("rope_parameters") or {}
+  full, local = params.get("full_attention", {}), params.get("sliding_attention", {})
+  if full.get("rope_type", "default") not in ("default", "linear") or local.get("rope_type", "default") != "default":
+    raise ValueError(f"{str(folder)!r} config.json rope_parameters={params!r}; clis-train's gemma3 block takes "
+                     "default or linear RoPE on full layers and default RoPE on sliding ones")
+  return {"rope_theta": full.get("rope_theta"), "local_rope_theta": local.get("rope_theta"),
+          "rope_linear_factor": full.get("factor") if full.get("rope_type") == "linear" else None}
 
 
 def _hf_name(path: tuple[str, ...], block: str = "llama") -> str:
@@ -148,7 +171,7 @@ def _hf_name(path: tuple[str, ...], block: str = "llama") -> str:
   if path[0] == "lm_head":
     return "lm_head.weight"
   layer = int(path[0].removeprefix("layer_"))
-  return f"model.layers.{layer}.{(_GEMMA2_LAYER if block == 'gemma2' else _LAYER)[path[1:]]}"
+  return f"model.layers.{layer}.{(_LAYER if block == 'llama' else _GEMMA2_LAYER)[path[1:]]}"
 
 
 def load_llama_safetensors(folder: pathlib.Path, abstract_params, dims=None):
@@ -172,7 +195,7 @@ def load_llama_safetensors(folder: pathlib.Path, abstract_params, dims=None):
     value = jnp.asarray(tensors[name], jnp.float32)
     if keys[-1] == "kernel":
       value = value.T
-    if keys[-1] == "scale" and block == "gemma2":  # Gemma's norms multiply by (1 + w)
+    if keys[-1] == "scale" and block != "llama":  # Gemma's norms multiply by (1 + w)
       value = value + 1.0
     if value.shape != tuple(leaf.shape):
       raise ValueError(f"{folder}: {name} has shape {value.shape} but the model expects {tuple(leaf.shape)} "

@@ -4,7 +4,8 @@ The attention options of the other popular families ride on the same blocks: an 
 (Gemma: 256), a value head dim other than the q·k one (MLA's shapes: 192 / 128), a logits soft cap and a
 final-logits cap (Gemma 2), a sliding window on some or all layers (Mistral, Gemma 2/3, gpt-oss) and learned
 per-head sink logits (gpt-oss). `block="gemma2"` is Gemma 2's block: norms after attention and after the MLP too,
-a GeGLU MLP (tanh GELU), embeddings scaled by sqrt(dim), and q·k scaled by query_pre_attn_scalar^-1/2;
+a GeGLU MLP (tanh GELU), embeddings scaled by sqrt(dim), and q·k scaled by query_pre_attn_scalar^-1/2; "gemma3" is
+the same block, with QK norms (`qk_norm`) and its windowed layers' own RoPE base (`local_rope_theta`);
 `qkv_bias` adds Qwen 2's q, k and v biases and `qk_norm` Qwen 3's RMSNorm of each q and k head. The other families'
 MLPs and norms stay Llama's: their presets take their attention's shape.
 
@@ -54,7 +55,9 @@ class ModelDims:
   block: str = "llama"  # llama | gemma2 (BLOCKS)
   query_pre_attn_scalar: float | None = None  # q·k scaled by its −1/2 power instead of the head dim's (Gemma 2)
   qkv_bias: bool = False  # biases on the q, k and v projections (Qwen 2)
-  qk_norm: bool = False  # an RMSNorm over each q and k head before RoPE (Qwen 3)
+  qk_norm: bool = False  # an RMSNorm over each q and k head before RoPE (Qwen 3, Gemma 3)
+  local_rope_theta: float | None = None  # RoPE base of the windowed layers (Gemma 3: 10,000); None: rope_theta
+  rope_linear_factor: float | None = None  # positions ÷ this in the RoPE of layers that see every key (Gemma 3 4B+)
 
   @property
   def head_dim(self) -> int:
@@ -72,10 +75,17 @@ class ModelDims:
       return None
     return self.sliding_window - 1
 
+  def layer_rope(self, layer: int) -> tuple:
+    """(theta, Llama 3 scaling, linear factor) of layer `layer`'s RoPE: windowed layers take local_rope_theta
+    unscaled when it is set (Gemma 3), every other layer rope_theta with the scalings."""
+    if self.local_rope_theta is not None and self.layer_window(layer) is not None:
+      return self.local_rope_theta, None, None
+    return self.rope_theta, self.rope_scaling, self.rope_linear_factor
+
   def num_params(self) -> int:
     hd, vd = self.head_dim, self.value_dim
     attn = self.dim * (hd * (self.n_heads + self.n_kv_heads) + vd * (self.n_kv_heads + self.n_heads))
-    norms = 4 if self.block == "gemma2" else 2
+    norms = 2 if self.block == "llama" else 4
     extra = (hd * (self.n_heads + self.n_kv_heads) + vd * self.n_kv_heads if self.qkv_bias else 0) + (
         2 * hd if self.qk_norm else 0) + (self.n_heads if self.sinks else 0)
     layer = attn + 3 * self.dim * self.ffn_dim + norms * self.dim + extra
@@ -97,19 +107,26 @@ PRESETS = {
                             rope_theta=1000000.0, norm_eps=1e-6, qkv_bias=True),  # Qwen2.5-7B's
     "qwen3_8b": ModelDims(vocab_size=151936, dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, ffn_dim=12288,
                           rope_theta=1000000.0, norm_eps=1e-6, qk_head_dim=128, qk_norm=True),  # Qwen3-8B's
-    # The other families' attention on Llama blocks (their MLPs, norms and mixtures of experts are not modelled):
-    # Gemma-2-2B's (head dim 256, caps 50 and 30, window 4096 on alternate layers), gpt-oss-20b's (64/8 heads of
-    # 64, learned sinks, window 128 on alternate layers; a dense MLP of its experts' width) and DeepSeek-V2-Lite's
-    # MLA shapes (16 heads, q·k 192, v 128; K and V as MLA decompresses them, no low-rank cache), each with a
-    # tiny twin for CPUs and tests.
+    # Gemma 2 and 3 with their own blocks, and the other families' attention on Llama blocks (their MLPs, norms and
+    # mixtures of experts are not modelled): gpt-oss-20b's (64/8 heads of 64, learned sinks, window 128 on
+    # alternate layers; a dense MLP of its experts' width) and DeepSeek-V2-Lite's MLA shapes (16 heads, q·k 192,
+    # v 128; K and V as MLA decompresses them, no low-rank cache); each with a tiny twin for CPUs and tests.
     "gemma2_2b": ModelDims(vocab_size=256000, dim=2304, n_layers=26, n_heads=8, n_kv_heads=4, ffn_dim=9216,
                            rope_theta=10000.0, norm_eps=1e-6, tie_embeddings=True, qk_head_dim=256,
                            attn_soft_cap=50.0, final_soft_cap=30.0, sliding_window=4096, global_every=2,
                            block="gemma2", query_pre_attn_scalar=256.0),  # Gemma-2-2B's, its blocks too
+    "gemma3_1b": ModelDims(vocab_size=262144, dim=1152, n_layers=26, n_heads=4, n_kv_heads=1, ffn_dim=6912,
+                           rope_theta=1000000.0, norm_eps=1e-6, tie_embeddings=True, qk_head_dim=256,
+                           sliding_window=512, global_every=6, block="gemma3", query_pre_attn_scalar=256.0,
+                           qk_norm=True, local_rope_theta=10000.0),  # Gemma-3-1B's (text)
     "gemma2_tiny": ModelDims(vocab_size=384, dim=128, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=384,
                              rope_theta=10000.0, norm_eps=1e-6, tie_embeddings=True, qk_head_dim=128,
                              attn_soft_cap=50.0, final_soft_cap=30.0, sliding_window=32, global_every=2,
                              block="gemma2"),
+    "gemma3_tiny": ModelDims(vocab_size=384, dim=128, n_layers=3, n_heads=2, n_kv_heads=1, ffn_dim=384,
+                             rope_theta=1000000.0, norm_eps=1e-6, tie_embeddings=True, qk_head_dim=128,
+                             sliding_window=32, global_every=3, block="gemma3", qk_norm=True,
+                             local_rope_theta=10000.0),
     "gpt_oss_20b": ModelDims(vocab_size=201088, dim=2880, n_layers=24, n_heads=64, n_kv_heads=8, ffn_dim=2880,
                              rope_theta=150000.0, qk_head_dim=64, sliding_window=128, global_every=2, sinks=True),
     "gpt_oss_tiny": ModelDims(vocab_size=384, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=384,
@@ -122,7 +139,7 @@ PRESETS = {
 }
 
 
-BLOCKS = ("llama", "gemma2")
+BLOCKS = ("llama", "gemma2", "gemma3")
 
 
 class RMSNorm(nn.Module):
@@ -150,10 +167,13 @@ def rope_frequencies(half: int, theta: float, scaling=None):
   return (1 - blend) * freqs / factor + blend * freqs
 
 
-def rope(x, positions, theta, scaling=None):
-  """Rotary embedding on [B, S, H, D] with the rotate-half layout Hugging Face's Llama uses."""
+def rope(x, positions, theta, scaling=None, linear=None):
+  """Rotary embedding on [B, S, H, D] with the rotate-half layout Hugging Face's Llama uses; `linear` divides the
+  positions (HF's linear RoPE scaling)."""
   half = x.shape[-1] // 2
   freqs = rope_frequencies(half, theta, scaling)
+  if linear is not None:
+    freqs = freqs / linear
   angles = positions.astype(jnp.float32)[..., None, None] * freqs  # [B, S, 1, D/2]
   cos, sin = jnp.cos(angles), jnp.sin(angles)
   x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
@@ -205,6 +225,7 @@ class Attention(nn.Module):
   dtype: jnp.dtype
   decode: bool = False  # keep K/V in the "cache" collection, sized by the input at init ([B, max_len])
   window: int | None = None  # this layer's sliding window (ModelDims.layer_window)
+  rope: tuple | None = None  # this layer's (theta, scaling, linear factor) (ModelDims.layer_rope); None: the dims'
 
   @nn.compact
   def __call__(self, x, positions, segment_ids):
@@ -216,7 +237,8 @@ class Attention(nn.Module):
     if d.qk_norm:
       q, k = RMSNorm(d.norm_eps, self.dtype, name="q_norm")(q), RMSNorm(d.norm_eps, self.dtype, name="k_norm")(k)
     sinks = self.param("sinks", INITIALIZERS["sinks"], (d.n_heads,), jnp.float32) if d.sinks else None
-    q, k = rope(q, positions, d.rope_theta, d.rope_scaling), rope(k, positions, d.rope_theta, d.rope_scaling)
+    theta, scaling, linear = self.rope or (d.rope_theta, d.rope_scaling, d.rope_linear_factor)
+    q, k = rope(q, positions, theta, scaling, linear), rope(k, positions, theta, scaling, linear)
     if d.query_pre_attn_scalar is not None:  # the kernels scale q·k by hd^-1/2; Gemma 2 wants this scalar's
       q = (q.astype(jnp.float32) * (hd / d.query_pre_attn_scalar) ** 0.5).astype(q.dtype)
     self.sow("activations", "qkv", (q, k, v))  # kept only when applied with mutable=["activations"]
@@ -250,7 +272,7 @@ class MLP(nn.Module):
     """SwiGLU (Llama), or GeGLU with the tanh GELU (Gemma 2)."""
     gate = _dense(self.dims.ffn_dim, "w1", self.dtype)(x)
     up = _dense(self.dims.ffn_dim, "w3", self.dtype)(x)
-    act = nn.gelu(gate, approximate=True) if self.dims.block == "gemma2" else nn.silu(gate)
+    act = nn.silu(gate) if self.dims.block == "llama" else nn.gelu(gate, approximate=True)
     return _dense(self.dims.dim, "w2", self.dtype)(act * up)
 
 
@@ -260,13 +282,14 @@ class Block(nn.Module):
   dtype: jnp.dtype
   decode: bool = False
   window: int | None = None
+  rope: tuple | None = None
 
   @nn.compact
   def __call__(self, x, positions, segment_ids):
-    """Pre-norm residual blocks; Gemma 2 also norms each branch's output before adding it."""
-    sandwich = self.dims.block == "gemma2"
+    """Pre-norm residual blocks; Gemma 2 and 3 also norm each branch's output before adding it."""
+    sandwich = self.dims.block != "llama"
     norm = lambda name, h: RMSNorm(self.dims.norm_eps, self.dtype, name=name)(h)
-    attention = Attention(self.dims, self.attend, self.dtype, self.decode, self.window, name="attention")
+    attention = Attention(self.dims, self.attend, self.dtype, self.decode, self.window, self.rope, name="attention")
     h = attention(norm("attention_norm", x), positions, segment_ids)
     x = x + (norm("attention_out_norm", h) if sandwich else h)
     h = MLP(self.dims, self.dtype, name="mlp")(norm("mlp_norm", x))
@@ -290,10 +313,11 @@ class Transformer(nn.Module):
       policy = jax.checkpoint_policies.checkpoint_dots if self.remat == "dots" else None
       block = nn.remat(Block, policy=policy)
     x = embed(tokens)
-    if self.dims.block == "gemma2":  # Gemma scales its embeddings by sqrt(dim), in the compute dtype
+    if self.dims.block != "llama":  # Gemma scales its embeddings by sqrt(dim), in the compute dtype
       x = x * jnp.asarray(self.dims.dim ** 0.5, self.dtype)
     for i in range(self.dims.n_layers):
-      layer = block(self.dims, self.attend, self.dtype, self.decode, self.dims.layer_window(i), name=f"layer_{i}")
+      layer = block(self.dims, self.attend, self.dtype, self.decode, self.dims.layer_window(i),
+                    self.dims.layer_rope(i), name=f"layer_{i}")
       x = layer(x, positions, segment_ids)
     x = RMSNorm(self.dims.norm_eps, self.dtype, name="norm")(x)
     if self.dims.tie_embeddings:
@@ -359,7 +383,9 @@ def resolve_dims(model_cfg, tokenizer_vocab: int) -> ModelDims:
   if dims.block not in BLOCKS:
     raise ConfigError(f"model.block={dims.block!r} must be one of {BLOCKS}")
   for name, what in (("attn_soft_cap", "logits become c·tanh(s / c)"), ("final_soft_cap", "logits become c·tanh(s / c)"),
-                     ("query_pre_attn_scalar", "q·k is scaled by its −1/2 power")):
+                     ("query_pre_attn_scalar", "q·k is scaled by its −1/2 power"),
+                     ("local_rope_theta", "the windowed layers' RoPE base"),
+                     ("rope_linear_factor", "RoPE positions are divided by it")):
     value = getattr(dims, name)
     if value is not None and not (math.isfinite(value) and value > 0):
       raise ConfigError(f"model.{name}={value} must be a positive number ({what}), or null")

@@ -1,5 +1,5 @@
 """Writes a tiny random Hugging Face Llama (or, with --mistral-window W, a Mistral with sliding window W; with
---gemma2, a Gemma 2; with --qwen2 / --qwen3, a Qwen 2 (q, k, v biases) / Qwen 3 (QK norms)) as safetensors, and its
+--gemma2 / --gemma3, a Gemma 2 / Gemma 3 text model; with --qwen 2 / 3, a Qwen 2 (q, k, v biases) / Qwen 3 (QK norms)) as safetensors, and its
 logits on fixed tokens.
 
 Runs under a Python with torch + transformers (scripts/setup.sh makes .venv-hf with
@@ -18,7 +18,7 @@ import pathlib
 
 import numpy as np
 import torch
-from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM,
+from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM,
                           MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
                           Qwen3ForCausalLM)
 
@@ -36,6 +36,17 @@ GEMMA2 = dict(vocab_size=384, hidden_size=128, intermediate_size=384, num_hidden
               attn_implementation="eager")
 
 
+# Gemma 3's block (QK norms) with two RoPEs: full layers at base 1e6 with linear scaling 8 (Gemma 3 4B+), sliding
+# ones at base 1e4; window 16 on layers 0 and 1 of 3 (sliding_window_pattern 3).
+GEMMA3 = dict(vocab_size=384, hidden_size=128, intermediate_size=384, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=32, hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6,
+              tie_word_embeddings=True, max_position_embeddings=512, attention_bias=False, query_pre_attn_scalar=24,
+              sliding_window=16, sliding_window_pattern=3,
+              rope_parameters={"full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0},
+                               "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+              attn_implementation="eager")
+
+
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--out", required=True)
@@ -47,6 +58,7 @@ def main():
   parser.add_argument("--mistral-window", type=int, default=None,
                       help="a Mistral with this sliding_window (shorter than the 64 tokens) instead of a Llama")
   parser.add_argument("--gemma2", action="store_true", help="a Gemma 2 (GEMMA2 below) instead of a Llama")
+  parser.add_argument("--gemma3", action="store_true", help="a Gemma 3 text model (GEMMA3 below) instead of a Llama")
   parser.add_argument("--qwen", type=int, choices=[2, 3], default=None, help="a Qwen 2 or 3 of TINY's dims")
   args = parser.parse_args()
   if args.load:
@@ -66,6 +78,9 @@ def main():
   if args.gemma2:
     config = dict(GEMMA2)
     model = Gemma2ForCausalLM(Gemma2Config(**config)).float().eval()
+  elif args.gemma3:
+    config = dict(GEMMA3)
+    model = Gemma3ForCausalLM(Gemma3TextConfig(**config)).float().eval()
   elif args.qwen:
     config = {k: v for k, v in TINY.items() if k not in ("attention_bias", "mlp_bias")}
     config["head_dim"] = TINY["hidden_size"] // TINY["num_attention_heads"]  # Qwen 3's default is 128
@@ -79,7 +94,7 @@ def main():
   with torch.no_grad():  # HF's init leaves norms at 1 (Gemma's (1 + w) at w = 0); randomise them
     for name, p in model.named_parameters():
       if "norm" in name:
-        p.uniform_(-0.5, 0.5) if args.gemma2 else p.uniform_(0.5, 1.5)
+        p.uniform_(-0.5, 0.5) if args.gemma2 or args.gemma3 else p.uniform_(0.5, 1.5)
       elif name.endswith("bias"):  # HF's init zeroes biases too
         p.uniform_(-0.5, 0.5)
   model.save_pretrained(out, safe_serialization=True)

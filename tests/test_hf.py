@@ -66,6 +66,19 @@ GEMMA2 = ["model.dtype=float32", "model.preset=gemma2_tiny", "model.dim=128", "m
           "data.seq_len=64", "mesh.data=1"]
 
 
+@pytest.fixture(scope="module")
+def hf_tiny_gemma3(tmp_path_factory):
+  return _hf_reference(tmp_path_factory, "hf_tiny_gemma3", "--gemma3")
+
+
+# scripts/hf_reference.py's GEMMA3, as model.* keys
+GEMMA3 = ["model.dtype=float32", "model.preset=tiny", "model.block=gemma3", "model.qk_norm=true", "model.dim=128",
+          "model.n_layers=3", "model.n_heads=4", "model.n_kv_heads=2", "model.qk_head_dim=32", "model.ffn_dim=384",
+          "model.vocab_size=384", "model.tie_embeddings=true", "model.norm_eps=1e-6", "model.sliding_window=16",
+          "model.global_every=3", "model.rope_theta=1000000.0", "model.local_rope_theta=10000.0",
+          "model.rope_linear_factor=8.0", "model.query_pre_attn_scalar=24", "data.seq_len=64", "mesh.data=1"]
+
+
 TINY = ["model.dtype=float32", "model.dim=128", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
         "model.ffn_dim=384", "model.vocab_size=384", "model.rope_theta=10000.0", "model.norm_eps=1e-5",
         "model.tie_embeddings=false", "data.seq_len=64", "mesh.data=1"]
@@ -117,6 +130,27 @@ def test_logits_match_transformers_gemma2(hf_tiny_gemma2, tmp_path, attention):
   assert rel < 1e-4, rel
 
 
+@pytest.mark.parametrize("attention", ["clis", "dot_product"])
+def test_logits_match_transformers_gemma3(hf_tiny_gemma3, tmp_path, attention):
+  """Gemma 3 text (QK norms with (1 + w), a full layer after every two sliding ones, RoPE base 1e4 on sliding layers
+  and 1e6 with linear scaling 8 on full ones), imported, against transformers; a model with one RoPE is told the
+  keys to set."""
+  cfg = load_config(str(ROOT / "recipes" / "cpt_tiny.yaml"), [f"run_dir={tmp_path}", f"attention={attention}",
+                                                              *GEMMA3])
+  trainer = Trainer(cfg)
+  params = checkpoint.load_params(str(hf_tiny_gemma3), trainer.abstract_state["params"], dims=trainer.dims)
+  tokens = np.load(hf_tiny_gemma3 / "tokens.npy").astype(np.int32)
+  want = np.load(hf_tiny_gemma3 / "logits.npy")
+  got = np.asarray(trainer.logits(params, tokens))
+  assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-4
+  one_rope = load_config(str(ROOT / "recipes" / "cpt_tiny.yaml"), [f"run_dir={tmp_path / 'one'}", *GEMMA3[:-5],
+                                                                   "model.query_pre_attn_scalar=24", *GEMMA3[-2:]])
+  trainer = Trainer(one_rope)
+  with pytest.raises(checkpoint.CheckpointError, match=r"local_rope_theta=10000\.0 \(ours: None\), "
+                                                       r"model\.rope_linear_factor=8\.0 \(ours: None\)"):
+    checkpoint.load_params(str(hf_tiny_gemma3), trainer.abstract_state["params"], dims=trainer.dims)
+
+
 def test_a_gemma2_export_loads_in_transformers_with_the_same_logits(hf_tiny_gemma2, tmp_path):
   """Imported, exported (Gemma 2's config and (1 + w) norms written back as w) and loaded by transformers: the
   original model's logits."""
@@ -149,7 +183,8 @@ def test_a_gemma2_config_that_our_block_is_not_is_one_clear_error(hf_tiny_gemma2
   odd.mkdir()
   (odd / "model.safetensors").symlink_to(hf_tiny_gemma2 / "model.safetensors")
   (odd / "config.json").write_text(json.dumps({**config, "layer_types": ["full_attention"] * 3}))
-  with pytest.raises(checkpoint.CheckpointError, match="alternates sliding and full attention layers"):
+  with pytest.raises(checkpoint.CheckpointError, match=r"puts a full attention layer after every 1 sliding ones "
+                                                       r"\(model\.global_every=2\)"):
     checkpoint.load_params(str(odd), trainer.abstract_state["params"], dims=trainer.dims)
 
 
@@ -177,7 +212,7 @@ def test_a_checkpoint_of_another_shape_or_architecture_is_one_clear_error(hf_tin
   trainer = Trainer(cfg)
   with pytest.raises(checkpoint.CheckpointError, match=r"set model.rope_theta=10000.0 \(ours: 500000.0\)"):
     checkpoint.load_params(str(hf_tiny), trainer.abstract_state["params"], dims=trainer.dims)
-  for kind, lacks in (("gemma3", "QK norms"), ("gpt_oss", "mixture-of-experts MLP"),
+  for kind, lacks in (("gemma3", "vision tower"), ("gpt_oss", "mixture-of-experts MLP"),
                       ("deepseek_v3", "MLA's low-rank")):
     folder = tmp_path / kind
     folder.mkdir()

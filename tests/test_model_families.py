@@ -18,7 +18,7 @@ from clis_train.config import ConfigError, load_config
 from clis_train.train import Trainer
 
 RECIPES = pathlib.Path(__file__).parent.parent / "recipes"
-FAMILIES = ("gemma2_tiny", "gpt_oss_tiny", "deepseek_tiny")
+FAMILIES = ("gemma2_tiny", "gemma3_tiny", "gpt_oss_tiny", "deepseek_tiny")
 
 
 def _transformer(dims, attention="clis", **kw):
