@@ -25,6 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
+from clis_train import model
+
 _LAYER = {
     ("attention", "wq", "kernel"): "self_attn.q_proj.weight",
     ("attention", "wk", "kernel"): "self_attn.k_proj.weight",
@@ -163,7 +165,8 @@ def _gemma3_rope(folder, config: dict) -> dict:
           "rope_linear_factor": full.get("factor") if full.get("rope_type") == "linear" else None}
 
 
-def _hf_name(path: tuple[str, ...], block: str = "llama") -> str:
+def _hf_name(path: tuple[str, ...], sandwich: bool = False) -> str:
+  """Hugging Face's name of our parameter at `path` (Gemma's layer names where the block has sandwich norms)."""
   if path[0] == "embed":
     return "model.embed_tokens.weight"
   if path[0] == "norm":
@@ -171,7 +174,7 @@ def _hf_name(path: tuple[str, ...], block: str = "llama") -> str:
   if path[0] == "lm_head":
     return "lm_head.weight"
   layer = int(path[0].removeprefix("layer_"))
-  return f"model.layers.{layer}.{(_LAYER if block == 'llama' else _GEMMA2_LAYER)[path[1:]]}"
+  return f"model.layers.{layer}.{(_GEMMA2_LAYER if sandwich else _LAYER)[path[1:]]}"
 
 
 def load_llama_safetensors(folder: pathlib.Path, abstract_params, dims=None):
@@ -179,7 +182,7 @@ def load_llama_safetensors(folder: pathlib.Path, abstract_params, dims=None):
   check_config against `dims`, when given)."""
   if dims is not None:
     check_config(folder, dims)
-  block = getattr(dims, "block", "llama")
+  kind = model.BLOCKS["llama" if dims is None else dims.block]
   tensors = {}
   for file in sorted(folder.glob("*.safetensors")):
     with safe_open(str(file), framework="flax") as f:
@@ -188,15 +191,15 @@ def load_llama_safetensors(folder: pathlib.Path, abstract_params, dims=None):
 
   def convert(path, leaf):
     keys = tuple(p.key for p in path)
-    name = _hf_name(keys, block)
+    name = _hf_name(keys, kind.sandwich_norms)
     if name not in tensors:
       raise ValueError(f"{folder}: no tensor {name!r} for parameter {'/'.join(keys)} (is this a Llama checkpoint "
                        "with the configured number of layers?)")
     value = jnp.asarray(tensors[name], jnp.float32)
     if keys[-1] == "kernel":
       value = value.T
-    if keys[-1] == "scale" and block != "llama":  # Gemma's norms multiply by (1 + w)
-      value = value + 1.0
+    if keys[-1] == "scale":  # Gemma's norms multiply by (1 + w): our scale is 1 + w
+      value = value + kind.norm_offset
     if value.shape != tuple(leaf.shape):
       raise ValueError(f"{folder}: {name} has shape {value.shape} but the model expects {tuple(leaf.shape)} "
                        f"for {'/'.join(keys)}; set model.* to the checkpoint's config")
@@ -277,9 +280,9 @@ def save_llama_safetensors(params, dims, folder: pathlib.Path, *, max_positions:
   for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
     keys = tuple(p.key for p in path)
     value = np.asarray(leaf, np.float32)
-    if keys[-1] == "scale" and dims.block == "gemma2":
-      value = value - 1.0
-    tensors[_hf_name(keys, dims.block)] = np.ascontiguousarray(value.T if keys[-1] == "kernel" else value)
+    if keys[-1] == "scale":
+      value = value - dims.kind.norm_offset
+    tensors[_hf_name(keys, dims.kind.sandwich_norms)] = np.ascontiguousarray(value.T if keys[-1] == "kernel" else value)
   written = [folder / "model.safetensors", folder / "config.json"]
   save_file(tensors, str(written[0]), metadata={"format": "pt"})
   written[1].write_text(json.dumps(config, indent=1))

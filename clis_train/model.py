@@ -52,7 +52,7 @@ class ModelDims:
   sinks: bool = False  # a learned sink logit per query head (gpt-oss): one more term in the softmax's denominator
   rope_scaling: tuple[float, float, float, float] | None = None  # Llama 3.1+'s: (factor, low_freq_factor,
                                                                  #   high_freq_factor, original_max_positions)
-  block: str = "llama"  # llama | gemma2 (BLOCKS)
+  block: str = "llama"  # llama | gemma2 | gemma3 (BLOCKS)
   query_pre_attn_scalar: float | None = None  # q·k scaled by its −1/2 power instead of the head dim's (Gemma 2)
   qkv_bias: bool = False  # biases on the q, k and v projections (Qwen 2)
   qk_norm: bool = False  # an RMSNorm over each q and k head before RoPE (Qwen 3, Gemma 3)
@@ -63,6 +63,11 @@ class ModelDims:
   def head_dim(self) -> int:
     """The q·k head dim."""
     return self.qk_head_dim or self.dim // self.n_heads
+
+  @property
+  def kind(self) -> "BlockKind":
+    """What `block` changes in the layers (BLOCKS)."""
+    return BLOCKS[self.block]
 
   @property
   def value_dim(self) -> int:
@@ -85,7 +90,7 @@ class ModelDims:
   def num_params(self) -> int:
     hd, vd = self.head_dim, self.value_dim
     attn = self.dim * (hd * (self.n_heads + self.n_kv_heads) + vd * (self.n_kv_heads + self.n_heads))
-    norms = 2 if self.block == "llama" else 4
+    norms = 4 if self.kind.sandwich_norms else 2
     extra = (hd * (self.n_heads + self.n_kv_heads) + vd * self.n_kv_heads if self.qkv_bias else 0) + (
         2 * hd if self.qk_norm else 0) + (self.n_heads if self.sinks else 0)
     layer = attn + 3 * self.dim * self.ffn_dim + norms * self.dim + extra
@@ -139,7 +144,18 @@ PRESETS = {
 }
 
 
-BLOCKS = ("llama", "gemma2", "gemma3")
+@dataclasses.dataclass(frozen=True)
+class BlockKind:
+  """What a `model.block` value changes in the decoder layer, read once here instead of by name at each use."""
+  sandwich_norms: bool  # a norm on each branch's output too (attention_out_norm, mlp_out_norm)
+  gelu_mlp: bool  # GeGLU with the tanh GELU instead of SwiGLU
+  scaled_embeddings: bool  # embeddings times sqrt(dim)
+  norm_offset: float  # Hugging Face stores its norm weights as w of (offset + w) (hf.py adds / removes it)
+
+
+_LLAMA = BlockKind(sandwich_norms=False, gelu_mlp=False, scaled_embeddings=False, norm_offset=0.0)
+_GEMMA = BlockKind(sandwich_norms=True, gelu_mlp=True, scaled_embeddings=True, norm_offset=1.0)
+BLOCKS = {"llama": _LLAMA, "gemma2": _GEMMA, "gemma3": _GEMMA}  # gemma3 differs in its dims (qk_norm, two RoPEs)
 
 
 class RMSNorm(nn.Module):
@@ -272,7 +288,7 @@ class MLP(nn.Module):
     """SwiGLU (Llama), or GeGLU with the tanh GELU (Gemma 2)."""
     gate = _dense(self.dims.ffn_dim, "w1", self.dtype)(x)
     up = _dense(self.dims.ffn_dim, "w3", self.dtype)(x)
-    act = nn.silu(gate) if self.dims.block == "llama" else nn.gelu(gate, approximate=True)
+    act = nn.gelu(gate, approximate=True) if self.dims.kind.gelu_mlp else nn.silu(gate)
     return _dense(self.dims.dim, "w2", self.dtype)(act * up)
 
 
@@ -287,7 +303,7 @@ class Block(nn.Module):
   @nn.compact
   def __call__(self, x, positions, segment_ids):
     """Pre-norm residual blocks; Gemma 2 and 3 also norm each branch's output before adding it."""
-    sandwich = self.dims.block != "llama"
+    sandwich = self.dims.kind.sandwich_norms
     norm = lambda name, h: RMSNorm(self.dims.norm_eps, self.dtype, name=name)(h)
     attention = Attention(self.dims, self.attend, self.dtype, self.decode, self.window, self.rope, name="attention")
     h = attention(norm("attention_norm", x), positions, segment_ids)
@@ -313,7 +329,7 @@ class Transformer(nn.Module):
       policy = jax.checkpoint_policies.checkpoint_dots if self.remat == "dots" else None
       block = nn.remat(Block, policy=policy)
     x = embed(tokens)
-    if self.dims.block != "llama":  # Gemma scales its embeddings by sqrt(dim), in the compute dtype
+    if self.dims.kind.scaled_embeddings:  # Gemma's: times sqrt(dim), in the compute dtype
       x = x * jnp.asarray(self.dims.dim ** 0.5, self.dtype)
     for i in range(self.dims.n_layers):
       layer = block(self.dims, self.attend, self.dtype, self.decode, self.dims.layer_window(i),
@@ -381,7 +397,7 @@ def resolve_dims(model_cfg, tokenizer_vocab: int) -> ModelDims:
     if value is not None and value < 1:
       raise ConfigError(f"model.{name}={value} must be >= 1, or null")
   if dims.block not in BLOCKS:
-    raise ConfigError(f"model.block={dims.block!r} must be one of {BLOCKS}")
+    raise ConfigError(f"model.block={dims.block!r} must be one of {tuple(BLOCKS)}")
   for name, what in (("attn_soft_cap", "logits become c·tanh(s / c)"), ("final_soft_cap", "logits become c·tanh(s / c)"),
                      ("query_pre_attn_scalar", "q·k is scaled by its −1/2 power"),
                      ("local_rope_theta", "the windowed layers' RoPE base"),
