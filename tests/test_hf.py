@@ -84,50 +84,44 @@ TINY = ["model.dtype=float32", "model.dim=128", "model.n_layers=2", "model.n_hea
         "model.tie_embeddings=false", "data.seq_len=64", "mesh.data=1"]
 
 
+def _imported_logits(folder, tmp_path, overrides):
+  """(ours, transformers') logits on the reference's tokens: the trainer of `overrides` (cpt_tiny.yaml) with the
+  reference folder's safetensors imported."""
+  trainer = Trainer(load_config(str(ROOT / "recipes" / "cpt_tiny.yaml"), [f"run_dir={tmp_path}", *overrides]))
+  params = checkpoint.load_params(str(folder), trainer.abstract_state["params"], dims=trainer.dims)
+  tokens = np.load(folder / "tokens.npy").astype(np.int32)
+  return np.asarray(trainer.logits(params, tokens)), np.load(folder / "logits.npy")
+
+
+def _assert_close(got, want):
+  rel = np.linalg.norm(got - want) / np.linalg.norm(want)
+  assert rel < 1e-4, rel
+  assert np.abs(got - want).max() < 1e-3 * np.abs(want).max()
+
+
 @pytest.mark.parametrize("attention,scaled", [("clis", False), ("dot_product", False), ("clis", True)])
 def test_logits_match_transformers_llama(hf_tiny, hf_tiny_llama3, tmp_path, attention, scaled):
   folder = hf_tiny_llama3 if scaled else hf_tiny
-  cfg = load_config(str(ROOT / "recipes" / "cpt_tiny.yaml"), [
-      f"run_dir={tmp_path}", f"attention={attention}", *TINY, *(["model.rope_scaling=[8, 1, 4, 32]"] if scaled else [])])
-  trainer = Trainer(cfg)
-  params = checkpoint.load_params(str(folder), trainer.abstract_state["params"], dims=trainer.dims)
-  tokens = np.load(folder / "tokens.npy").astype(np.int32)
-  want = np.load(folder / "logits.npy")
-  got = np.asarray(trainer.logits(params, tokens))
-  rel = np.linalg.norm(got - want) / np.linalg.norm(want)
-  assert rel < 1e-4, rel
+  _assert_close(*_imported_logits(folder, tmp_path, [
+      f"attention={attention}", *TINY, *(["model.rope_scaling=[8, 1, 4, 32]"] if scaled else [])]))
 
 
 @pytest.mark.parametrize("attention", ["clis", "dot_product"])
 def test_logits_match_transformers_qwen(hf_tiny_qwen, tmp_path, attention):
   """Qwen 2 (model.qkv_bias) and Qwen 3 (model.qk_norm) on Llama's blocks, imported, against transformers."""
   version, folder = hf_tiny_qwen
-  cfg = load_config(str(ROOT / "recipes" / "cpt_tiny.yaml"), [
-      f"run_dir={tmp_path}", f"attention={attention}", *TINY, f"model.{'qkv_bias' if version == 2 else 'qk_norm'}=true"])
-  trainer = Trainer(cfg)
-  params = checkpoint.load_params(str(folder), trainer.abstract_state["params"], dims=trainer.dims)
-  tokens = np.load(folder / "tokens.npy").astype(np.int32)
-  want = np.load(folder / "logits.npy")
-  got = np.asarray(trainer.logits(params, tokens))
-  assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-4
-  plain = load_config(str(ROOT / "recipes" / "cpt_tiny.yaml"), [f"run_dir={tmp_path / 'plain'}", *TINY])
-  with pytest.raises(checkpoint.CheckpointError, match=f"set model.{'qkv_bias' if version == 2 else 'qk_norm'}=True"):
-    checkpoint.load_params(str(folder), Trainer(plain).abstract_state["params"], dims=Trainer(plain).dims)
+  key = "qkv_bias" if version == 2 else "qk_norm"
+  _assert_close(*_imported_logits(folder, tmp_path, [f"attention={attention}", *TINY, f"model.{key}=true"]))
+  plain = Trainer(load_config(str(ROOT / "recipes" / "cpt_tiny.yaml"), [f"run_dir={tmp_path / 'plain'}", *TINY]))
+  with pytest.raises(checkpoint.CheckpointError, match=f"set model.{key}=True"):
+    checkpoint.load_params(str(folder), plain.abstract_state["params"], dims=plain.dims)
 
 
 @pytest.mark.parametrize("attention", ["clis", "dot_product"])
 def test_logits_match_transformers_gemma2(hf_tiny_gemma2, tmp_path, attention):
   """Gemma 2's block (sandwich norms, GeGLU, (1 + w) norms, sqrt(dim)-scaled embeddings, query_pre_attn_scalar)
   with its alternating window and both soft caps, imported from safetensors, against transformers."""
-  cfg = load_config(str(ROOT / "recipes" / "cpt_tiny.yaml"), [f"run_dir={tmp_path}", f"attention={attention}",
-                                                              *GEMMA2])
-  trainer = Trainer(cfg)
-  params = checkpoint.load_params(str(hf_tiny_gemma2), trainer.abstract_state["params"], dims=trainer.dims)
-  tokens = np.load(hf_tiny_gemma2 / "tokens.npy").astype(np.int32)
-  want = np.load(hf_tiny_gemma2 / "logits.npy")
-  got = np.asarray(trainer.logits(params, tokens))
-  rel = np.linalg.norm(got - want) / np.linalg.norm(want)
-  assert rel < 1e-4, rel
+  _assert_close(*_imported_logits(hf_tiny_gemma2, tmp_path, [f"attention={attention}", *GEMMA2]))
 
 
 @pytest.mark.parametrize("attention", ["clis", "dot_product"])
@@ -135,14 +129,7 @@ def test_logits_match_transformers_gemma3(hf_tiny_gemma3, tmp_path, attention):
   """Gemma 3 text (QK norms with (1 + w), a full layer after every two sliding ones, RoPE base 1e4 on sliding layers
   and 1e6 with linear scaling 8 on full ones), imported, against transformers; a model with one RoPE is told the
   keys to set."""
-  cfg = load_config(str(ROOT / "recipes" / "cpt_tiny.yaml"), [f"run_dir={tmp_path}", f"attention={attention}",
-                                                              *GEMMA3])
-  trainer = Trainer(cfg)
-  params = checkpoint.load_params(str(hf_tiny_gemma3), trainer.abstract_state["params"], dims=trainer.dims)
-  tokens = np.load(hf_tiny_gemma3 / "tokens.npy").astype(np.int32)
-  want = np.load(hf_tiny_gemma3 / "logits.npy")
-  got = np.asarray(trainer.logits(params, tokens))
-  assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-4
+  _assert_close(*_imported_logits(hf_tiny_gemma3, tmp_path, [f"attention={attention}", *GEMMA3]))
   one_rope = load_config(str(ROOT / "recipes" / "cpt_tiny.yaml"), [f"run_dir={tmp_path / 'one'}", *GEMMA3[:-5],
                                                                    "model.query_pre_attn_scalar=24", *GEMMA3[-2:]])
   trainer = Trainer(one_rope)
@@ -192,16 +179,8 @@ def test_a_gemma2_config_that_our_block_is_not_is_one_clear_error(hf_tiny_gemma2
 def test_logits_match_transformers_mistral_with_a_sliding_window(hf_tiny_mistral, tmp_path, attention):
   """model.sliding_window takes a Hugging Face config's value as it is: each query sees that many keys, itself
   included (one key wider, the convention before, gave a relative logits error of 0.13 here)."""
-  cfg = load_config(str(ROOT / "recipes" / "cpt_tiny.yaml"), [
-      f"run_dir={tmp_path}", f"attention={attention}", *TINY, "model.sliding_window=16"])
-  trainer = Trainer(cfg)
-  params = checkpoint.load_params(str(hf_tiny_mistral), trainer.abstract_state["params"], dims=trainer.dims)
-  tokens = np.load(hf_tiny_mistral / "tokens.npy").astype(np.int32)
-  want = np.load(hf_tiny_mistral / "logits.npy")
-  got = np.asarray(trainer.logits(params, tokens))
-  rel = np.linalg.norm(got - want) / np.linalg.norm(want)
-  assert rel < 1e-4, rel
-  assert np.abs(got - want).max() < 1e-3 * np.abs(want).max()
+  _assert_close(*_imported_logits(hf_tiny_mistral, tmp_path, [f"attention={attention}", *TINY,
+                                                              "model.sliding_window=16"]))
 
 
 def test_a_checkpoint_of_another_shape_or_architecture_is_one_clear_error(hf_tiny, tmp_path):
