@@ -43,8 +43,9 @@ def skip_plan(cfg: DiTConfig) -> plan_lib.Plan:
 
 def _skip_kw(cfg: DiTConfig) -> dict:
   """The skip path's tiles only: diffusion.attention then makes the same automatic choices as the dense `clis`
-  call (the loop: online where the entry does not certify by default, as on Hopper), so with nothing skipped it is the dense kernel's output
-  bit for bit, and a skipped sample differs from the dense one only by what skipping left out."""
+  call (the loop: online where the entry does not certify by default, as on Hopper), so with nothing skipped it is
+  the dense kernel's output bit for bit, and a skipped sample differs from the dense one only by what skipping left
+  out."""
   return dict(block_sizes=skip_plan(cfg).block_sizes)
 
 

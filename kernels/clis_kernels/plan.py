@@ -153,8 +153,9 @@ def _function(path: str, default: str):
 # On Hopper implementation=None runs the online loop: the certified Mosaic GPU forward, with the unrounded lse sum
 # that makes it as accurate as the online path, measured slower than our online loop in every cell of one H200 run
 # per shape on sink-shaped inputs (BENCHMARKS.md §3, 2026-12-03): D 128, 16k-64k, 0.94-0.98x (causal and
-# bidirectional); D 64, 8k-32k, 0.88-0.998x; a 4096-key window, causal 32k, 0.96x. Saving lse from the rounded
-# sum instead reached only 0.99-1.06x at D 128 and 0.94-0.98x at D 64, so no length or head-dim rule pays either.
+# bidirectional); D 64, 8k-32k, 0.88-0.998x; D 256, 32k, 0.95-0.96x; a 4096-key window, causal 32k, 0.96x. Saving
+# lse from the rounded sum instead reached only 0.99-1.06x at D 128 and 0.94-1.02x at D 64, so no length or
+# head-dim rule pays either.
 # Naming the backend (implementation="pallas_mgpu", the trainer's clis_mgpu) certifies at every length.
 CERTIFY_ON_HOPPER = False
 # From this many keys the block bound pays on Gaussian and pretrained-like inputs alike (BENCHMARKS.md,
