@@ -120,8 +120,8 @@ def _clis_kernel(q, k, v, seg, causal, quick):
 
 # What takes --window / --softcap (as jax.nn's local_window_size / logits_soft_cap keywords)
 FEATURED = ("clis", "online", "clis_blocks", "clis_radius", "xla", "cudnn", "clis_triton", "online_triton", "clis_mgpu",
-            "online_mgpu", "clis_mgpu_triton_bwd", "clis_exp2_tanh", "online_exp2_tanh", "tokamax_mosaic",
-            "tokamax_triton")
+            "online_mgpu", "clis_mgpu_triton_bwd", "online_mgpu_triton_bwd", "clis_exp2_tanh", "online_exp2_tanh",
+            "tokamax_mosaic", "tokamax_triton")
 
 
 def feature_kwargs(window, softcap) -> dict:
@@ -219,8 +219,9 @@ def implementations(names, platform, quick):
     table["clis_mgpu_prepass"] = functools.partial(_prepass, quick=False, implementation="pallas_mgpu")
     table["clis_mgpu_blocks_prepass"] = functools.partial(_prepass, quick=False, implementation="pallas_mgpu",
                                                           bound="blocks")
-    table["clis_mgpu_triton_bwd"] = functools.partial(  # the forward with the Triton backward
-        _named, stabilizer="clis", implementation="pallas_mgpu_triton_bwd")
+    for stab in ("clis", "online"):  # the Mosaic GPU forward with the Triton backward
+      table[f"{stab}_mgpu_triton_bwd"] = functools.partial(_named, stabilizer=stab,
+                                                           implementation="pallas_mgpu_triton_bwd")
     for stab in ("clis", "online"):  # the API's default forward with the one-kernel Mosaic GPU backward
       table[f"{stab}_fused_bwd"] = functools.partial(_backward_choice, stabilizer=stab, fused=True)
       table[f"{stab}_two_kernel_bwd"] = functools.partial(_backward_choice, stabilizer=stab, fused=False)

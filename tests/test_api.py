@@ -66,20 +66,19 @@ def test_cpu_default_is_the_reference_and_matches_xla():
 @pytest.mark.parametrize("hopper,dtype,head_dim,window_or_cap,want", [
     (True, jnp.bfloat16, 128, False, "pallas_mgpu"), (True, jnp.float16, 64, False, "pallas_mgpu"),
     (True, jnp.float32, 128, False, "pallas_gpu"), (True, jnp.bfloat16, 96, False, "pallas_mgpu"),
-    (True, jnp.bfloat16, 256, False, "pallas_mgpu_triton_bwd"), (True, jnp.bfloat16, 192, True,
-                                                                  "pallas_mgpu_triton_bwd"),
+    (True, jnp.bfloat16, 256, False, "pallas_mgpu"), (True, jnp.bfloat16, 192, True, "pallas_mgpu"),
     (True, jnp.bfloat16, 320, False, "pallas_gpu"), (True, jnp.bfloat16, 128, True, "pallas_mgpu"),
     (False, jnp.bfloat16, 128, False, "pallas_gpu"), (False, jnp.bfloat16, 256, False, "pallas_gpu")])
 def test_gpu_default_is_the_mosaic_backend_on_hopper_where_it_applies(hopper, dtype, head_dim, window_or_cap, want):
   """Head dims up to 128 are padded to the Mosaic kernels' 64/128 (local windows and soft caps included); above
-  128, up to 256, the Mosaic GPU forward runs with the Triton backward."""
+  128, up to 256, to 256, whose backward is pallas_mgpu_vjp_wide's."""
   call = plan.Call(jnp.dtype(dtype), head_dim, window_or_cap)
   assert plan.choose(None, call, plan.Platform("gpu", hopper=hopper)).name == want
 
 
 def test_wide_heads_on_hopper_certify_with_a_pre_pass_and_refuse_the_mosaic_backward():
   """Above head dim 128 the in-kernel certificate's scratch does not fit (pallas_mgpu.KEYS_MAX_HEAD_DIM): the radius
-  bound runs as an XLA pre-pass; naming pallas_mgpu (whose backward stops at 128) says what to use instead."""
+  bound runs as an XLA pre-pass; past 256 naming pallas_mgpu says what to use instead."""
   named = dict(implementation="pallas_mgpu_triton_bwd", platform=plan.HOPPER)  # the default runs online on Hopper
   p = plan.make_plan(dtype=jnp.bfloat16, head_dim=256, seq_len=32768, bound="radius", **named)
   assert p.entry.name == "pallas_mgpu_triton_bwd" and p.mode is plan.Mode.CERTIFICATE
@@ -89,8 +88,11 @@ def test_wide_heads_on_hopper_certify_with_a_pre_pass_and_refuse_the_mosaic_back
   other = plan.make_plan(dtype=jnp.bfloat16, head_dim=256, seq_len=32768, platform=plan.Platform("gpu"))
   assert other.entry.name == "pallas_gpu" and other.backward_block_sizes.block_q_dkv == 32
   assert plan.make_plan(dtype=jnp.bfloat16, head_dim=256, seq_len=8192, **named).mode is plan.Mode.CERTIFICATE  # radius
-  with pytest.raises(ValueError, match="takes head dims up to 128.*pallas_mgpu_triton_bwd"):
-    plan.make_plan(dtype=jnp.bfloat16, head_dim=256, seq_len=1024, implementation="pallas_mgpu", platform=plan.HOPPER)
+  mosaic = plan.make_plan(dtype=jnp.bfloat16, head_dim=256, seq_len=1024, implementation="pallas_mgpu",
+                          platform=plan.HOPPER)  # the Mosaic GPU backward at 256: pallas_mgpu_vjp_wide's kernels
+  assert mosaic.mode is plan.Mode.CERTIFICATE and not mosaic.backward_block_sizes.fused_dq
+  with pytest.raises(ValueError, match=r"takes head dims up to 128, \(256,\) and the .*pallas_mgpu_triton_bwd"):
+    plan.make_plan(dtype=jnp.bfloat16, head_dim=320, seq_len=1024, implementation="pallas_mgpu", platform=plan.HOPPER)
 
 
 @pytest.mark.parametrize("implementation,want", [
@@ -109,11 +111,10 @@ def test_mla_head_dims_run_unpadded_where_both_kernels_take_them(implementation,
   assert (narrow.entry.name, narrow.head_dim, narrow.value_head_dim) == ("pallas_mgpu", 192, 128)
   assert narrow.mode is plan.Mode.ONLINE  # no (U, L) kernel at 192: the plan runs MLA online by default
   wide_v = plan.make_plan(dtype=jnp.bfloat16, head_dim=192, value_head_dim=192, seq_len=4096, platform=plan.HOPPER)
-  assert (wide_v.entry.name, wide_v.head_dim, wide_v.value_head_dim) == ("pallas_mgpu_triton_bwd", 256, 256)
-  with pytest.raises(ValueError, match=r"takes head dims up to 128 \(and the \(q·k, v\) pairs \(\(192, 128\),\)\); "
-                                       "got head_dim=256 with v's 128"):
-    plan.make_plan(dtype=jnp.bfloat16, head_dim=256, value_head_dim=128, seq_len=1024, implementation="pallas_mgpu",
-                   platform=plan.HOPPER)
+  assert (wide_v.entry.name, wide_v.head_dim, wide_v.value_head_dim) == ("pallas_mgpu", 256, 256)
+  past = plan.make_plan(dtype=jnp.bfloat16, head_dim=256, value_head_dim=128, seq_len=1024,
+                        implementation="pallas_mgpu", platform=plan.HOPPER)  # no pair: v pads up to 256
+  assert (past.head_dim, past.value_head_dim) == (256, 256)
 
 
 @pytest.mark.parametrize("seq_len,implementation,bound,want", [
@@ -140,7 +141,7 @@ def test_only_the_hopper_entries_run_online_by_default():
     p = plan.make_plan(dtype=jnp.bfloat16, head_dim=128, seq_len=32768, platform=platform)
     assert (p.entry.name, p.mode is plan.Mode.ONLINE) == (name, False)
   wide = plan.make_plan(dtype=jnp.bfloat16, head_dim=256, seq_len=32768, platform=plan.HOPPER)
-  assert (wide.entry.name, wide.mode) == ("pallas_mgpu_triton_bwd", plan.Mode.ONLINE)
+  assert (wide.entry.name, wide.mode) == ("pallas_mgpu", plan.Mode.ONLINE)
 
 
 def test_automatic_bound_keeps_the_radius_where_the_block_kernel_does_not_run():

@@ -276,7 +276,8 @@ def attention(q, k, v, segment_ids=None, *, causal=True, scale=None, local_windo
     stabilizer.certify_blocks, with a Triton kernel for the rows' bounds on GPUs), or None: the
     plan's choice (plan.automatic_bound: "blocks" on Hopper from plan.BLOCKS_FROM_MGPU keys on).
   implementation: None (TPU → "pallas_tpu"; NVIDIA Hopper with bf16/f16 and D up to 128, or MLA's q·k 192 with
-    v 128 → "pallas_mgpu", the fastest forward and backward on an H200; D up to 256 → "pallas_mgpu_triton_bwd"; other NVIDIA GPUs or inputs →
+    v 128, or D up to 256 (padded to 256) → "pallas_mgpu", the fastest forward and backward on an H200; other NVIDIA
+    GPUs or inputs →
     "pallas_gpu"; CPU → "reference"; on Hopper the online softmax runs, where certifying does not pay:
     plan.CERTIFY_ON_HOPPER), or one of "pallas_tpu", "pallas_gpu",
     "pallas_mgpu", "reference", "xla" (a named backend certifies at every length).

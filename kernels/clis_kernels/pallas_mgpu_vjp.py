@@ -501,6 +501,7 @@ def _dkv_scratch(dtype, head_dim: int, value_head_dim: int, slots: int, has_segm
 
 FUSED_MAX_HEAD_DIM = 64
 MAX_HEAD_DIM = 128  # dK and dV's f32 accumulators outgrow a warpgroup's registers above (plan.py reads it)
+WIDE_HEAD_DIMS = (256,)  # pallas_mgpu_vjp_wide's: the warpgroups share rows and split the head dim (Gemma's 256)
 # SPLIT_HEAD_DIMS (pallas_mgpu's, MLA's 192/128) run too: dK [64, 192] and dV [64, 128] f32 take 160 registers a
 # thread, against 128 at head dim 128 and 256 at 256. plan.py reads it from here.
 
@@ -515,8 +516,9 @@ def default_block_sizes(head_dim: int, seq_len: int, dtype) -> BlockSizes:
 
 def takes_head_dims(head_dim: int, value_head_dim: int) -> bool:
   """Whether this backward takes q·k head dim `head_dim` with v head dim `value_head_dim` (as the kernels run them,
-  padded): equal ones up to MAX_HEAD_DIM, or a SPLIT_HEAD_DIMS pair."""
-  return (head_dim == value_head_dim and head_dim <= MAX_HEAD_DIM) or (head_dim, value_head_dim) in SPLIT_HEAD_DIMS
+  padded): equal ones up to MAX_HEAD_DIM or in WIDE_HEAD_DIMS, or a SPLIT_HEAD_DIMS pair."""
+  return ((head_dim == value_head_dim and (head_dim <= MAX_HEAD_DIM or head_dim in WIDE_HEAD_DIMS))
+          or (head_dim, value_head_dim) in SPLIT_HEAD_DIMS)
 
 
 def backward(q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_sizes: BlockSizes, window=None,
@@ -528,6 +530,8 @@ def backward(q, k, v, segment_ids, o, lse, do, *, causal, scale, kv_len, block_s
     raise ValueError("pallas_mgpu_vjp.backward has no interpret mode")
   launch = Launches(q, k, v, segment_ids, o, lse, do, causal=causal, scale=scale, kv_len=kv_len,
                     block_sizes=block_sizes, window=window, softcap=softcap)
+  if q.shape[-1] in WIDE_HEAD_DIMS:
+    return launch.dq(), *launch.dkv()
   if block_sizes.fused_dq:
     return launch.fused()
   return launch.dq(), *launch.dkv()
@@ -544,10 +548,12 @@ class Launches:
     if seq % block_sizes.multiple or kv_seq % block_sizes.multiple:
       raise ValueError(f"{block_sizes.multiple=} must divide the padded lengths {seq=} and {kv_seq=}")
     if not takes_head_dims(q.shape[-1], v.shape[-1]):
-      raise ValueError(f"head_dim={q.shape[-1]} must be at most {MAX_HEAD_DIM} for the Mosaic GPU backward (dK and "
-                       "dV's f32 accumulators outgrow a warpgroup's registers), with v's head dim "
-                       f"{v.shape[-1]} equal to it, or (q·k, v) one of {SPLIT_HEAD_DIMS}; use implementation="
-                       "'pallas_mgpu_triton_bwd' (the Mosaic GPU forward, the Triton backward), the default there")
+      raise ValueError(f"head_dim={q.shape[-1]} must be at most {MAX_HEAD_DIM} or one of {WIDE_HEAD_DIMS} for the "
+                       f"Mosaic GPU backward, with v's head dim {v.shape[-1]} equal to it, or (q·k, v) one of "
+                       f"{SPLIT_HEAD_DIMS}; use implementation='pallas_gpu' (the Triton kernels)")
+    self.wide = q.shape[-1] in WIDE_HEAD_DIMS  # pallas_mgpu_vjp_wide's kernels: 64 rows a CTA, the head dim split
+    if self.wide and block_sizes.fused_dq:
+      raise ValueError(f"head_dim={q.shape[-1]} runs pallas_mgpu_vjp_wide's two kernels: use BlockSizes(fused_dq=False)")
     if block_sizes.fused_dq and q.shape[-1] != v.shape[-1]:
       raise ValueError(f"fused_dq=True needs v's head dim equal to q's; got {q.shape[-1]} and {v.shape[-1]}: use "
                        "BlockSizes(fused_dq=False)")
@@ -558,7 +564,8 @@ class Launches:
     args = [q, k, v, do, lse, delta]
     if segment_ids is not None:  # key id 0 (padding) becomes −1, as in the forward
       args += [segment_ids.q.astype(jnp.int32), jnp.where(segment_ids.kv == 0, -1, segment_ids.kv).astype(jnp.int32)]
-    doc_ranges = block_sizes.document_ranges and causal and segment_ids is not None and window is None
+    doc_ranges = (block_sizes.document_ranges and causal and segment_ids is not None and window is None
+                  and not self.wide)  # the wide kernels visit every causal block
     self.common = dict(causal=causal, sigma2=scale * LOG2E, scale=scale, slots=block_sizes.slots,
                        group=num_heads // num_kv_heads, has_segments=segment_ids is not None, doc_ranges=doc_ranges,
                        window=None if window is None else tuple(int(w) for w in window),
@@ -568,8 +575,9 @@ class Launches:
       self.dq_args = args + [first_kv_blocks(segment_ids, cta_rows=COMPUTE_WARPGROUPS * ROWS, block_kv=ROWS)]
       self.dkv_args = args + [_q_block_ends(segment_ids)]
     self.q, self.k, self.v, self.scale, self.kv_len, self.block_sizes = q, k, v, scale, kv_len, block_sizes
-    self.dq_grid = (num_heads, seq // (COMPUTE_WARPGROUPS * ROWS), batch)
-    self.dkv_grid = (num_kv_heads, kv_seq // (COMPUTE_WARPGROUPS * ROWS), batch)
+    cta_rows = ROWS if self.wide else COMPUTE_WARPGROUPS * ROWS  # the wide kernels' warpgroups share their rows
+    self.dq_grid = (num_heads, seq // cta_rows, batch)
+    self.dkv_grid = (num_kv_heads, kv_seq // cta_rows, batch)
 
   def _launch(self, kernel, out_type, grid, names):
     return plgpu.kernel(kernel, out_type=out_type, grid=grid, grid_names=names, num_threads=COMPUTE_WARPGROUPS + 1,
@@ -585,16 +593,25 @@ class Launches:
         ("heads", "kv_tiles", "batch"))(*self.dkv_args, dq_acc)
     return (dq_acc[...] * self.scale).astype(q.dtype), dk, dv
 
+  def _kernels(self):
+    """(dq kernel, dkv kernel, their keywords): pallas_mgpu_vjp_wide's at WIDE_HEAD_DIMS, else this module's."""
+    if not self.wide:
+      return _dq_kernel, _dkv_kernel, self.common
+    from clis_kernels import pallas_mgpu_vjp_wide as wide
+    return wide._dq_kernel, wide._dkv_kernel, {k: v for k, v in self.common.items() if k != "doc_ranges"}
+
   def dq(self):
     """dq from the dQ kernel (rows = queries)."""
     q = self.q
-    return self._launch(functools.partial(_dq_kernel, kv_len=self.kv_len, **self.common),
+    kernel, _, common = self._kernels()
+    return self._launch(functools.partial(kernel, kv_len=self.kv_len, **common),
                         out_struct(q.shape, q.dtype, q), self.dq_grid, ("heads", "q_tiles", "batch"))(*self.dq_args)
 
   def dkv(self):
     """(dk, dv) from the dK/dV kernel (rows = keys)."""
     k, v = self.k, self.v
-    return self._launch(functools.partial(_dkv_kernel, **self.common),
+    _, kernel, common = self._kernels()
+    return self._launch(functools.partial(kernel, **common),
                         (out_struct(k.shape, k.dtype, k), out_struct(v.shape, v.dtype, v)), self.dkv_grid,
                         ("heads", "kv_tiles", "batch"))(*self.dkv_args)
 

@@ -107,7 +107,8 @@ class Entry:
     backward = _module(self.backward)
     takes = getattr(backward, "takes_head_dims", None)  # a backward's limit, where it has one
     if takes is not None and not takes(*self.head_dims(call.head_dim, call.value_head_dim)):
-      return (f"takes head dims up to {backward.MAX_HEAD_DIM} (and the (q·k, v) pairs {backward.SPLIT_HEAD_DIMS}); "
+      return (f"takes head dims up to {backward.MAX_HEAD_DIM}, {getattr(backward, 'WIDE_HEAD_DIMS', ())} and the "
+              f"(q·k, v) pairs {backward.SPLIT_HEAD_DIMS}; "
               f"got head_dim={call.head_dim} with v's {call.value_head_dim or call.head_dim}: use "
               "implementation='pallas_mgpu_triton_bwd' on Hopper (the Mosaic GPU forward, the Triton backward) or "
               "'pallas_gpu'")

@@ -11,6 +11,8 @@
 #   mla_bwd_parts      the backward's parts at MLA's dims against tokamax's backward, 8k and 32k
 #   lse FAMILY         the certified forward with the unrounded lse sum (default) against the rounded one and the
 #                      online loop, 16k-64k, causal and bidirectional (re-deciding the Hopper certify rule)
+#   d256               head dim 256 (Gemma 2, GQA 16/8) 8k and 32k: backward and fwd+bwd with the Mosaic GPU backward
+#                      (pallas_mgpu_vjp_wide) against the Triton one and cuDNN
 #   certify_rule FAMILY  the certified forward against the online loop where the plan's Hopper rule decides: D 64
 #                      (GQA 32/8) 8k-32k causal and bidirectional, and a 4096-key window at D 128, causal 32k
 #   context_parallel [N]  context-parallel attention over N GPUs (default 1: the machinery's cost on one) against
@@ -51,6 +53,10 @@ case "$1" in
     TAIL=20 step "lse_$2" 500 python3 scripts/bench_attention.py --suite llm --seq-lens 16384 32768 65536 \
         --tokens 32768 --causal both --packed no --inputs "$2" --passes fwd fwd_bwd \
         --impls clis_mgpu clis_rounded_lse online_mgpu --repeats 7 --inner 3 --out "$OUT/lse_$2.json" ;;
+  d256)
+    TAIL=20 step d256 420 python3 scripts/bench_attention.py --suite llm --llm-heads 16 8 256 --seq-lens 8192 32768 \
+        --tokens 32768 --causal yes --packed no --inputs sinks_many --passes bwd fwd_bwd \
+        --impls online online_mgpu_triton_bwd cudnn --repeats 7 --inner 3 --out "$OUT/d256.json" ;;
   certify_rule)
     TAIL=14 step "certify_d64_$2" 240 python3 scripts/bench_attention.py --suite llm --seq-lens 8192 16384 32768 \
         --tokens 32768 --llm-heads 32 8 64 --causal both --packed no --inputs "$2" --passes fwd \
@@ -63,5 +69,5 @@ case "$1" in
         --heads 32 8 128 --context "${2:-1}" --family sinks_many --repeats 5 --inner 3 \
         --out "$OUT/context_parallel_${2:-1}.json" ;;
   *) echo "usage: bench_kernels.sh bwd_parts|llm_d128|llm_d64|sweep FAMILY PACKED|bidir FAMILY|diffusion|mla|"\
-"mla_bwd_parts|lse FAMILY|certify_rule FAMILY|context_parallel [N]"; exit 2 ;;
+"mla_bwd_parts|lse FAMILY|d256|certify_rule FAMILY|context_parallel [N]"; exit 2 ;;
 esac

@@ -1,0 +1,380 @@
+"""The Mosaic GPU backward at head dims above 128 (Gemma's 256): each CTA's two compute warpgroups share its 64 rows
+and split the head dim of what they accumulate.
+
+At D 256 a warpgroup cannot hold dK and dV [64, 256] in f32 (256 registers a thread), and the two-kernel backward's
+shared memory (pallas_mgpu_vjp.py: 64 rows per warpgroup) does not fit. As FlashAttention-3 at 256, the rows are
+shared instead: the scores warpgroup (SCORES) computes S and dP over the whole head dim, then P and dS, and hands
+P and dS [64, 64] bf16 to the other (HELPER) through shared memory; each accumulates one half of the columns:
+  dkv: rows = 64 keys; streams Q, dO, lse and Δ blocks (every query head of the kv head's group).
+       dV[:, h] += Pᵀ·dO[:, h], dK[:, h] += σ·dSᵀ·Q[:, h]
+  dq:  rows = 64 queries; streams K and V blocks.          dQ[:, h] += σ·dS·K[:, h]
+SCORES takes its operands from registers, HELPER from the hand-over buffer, which holds one step: SCORES writes step
+j + 1's only once HELPER has taken step j's (`taken`; HELPER arrives once before its loop, so the first write does not
+wait). The tensor cores run both warpgroups' matmuls, so the split costs no matmul work; what it costs is the hand-over
+(16 KiB of shared memory, two barriers a step) and SCORES doing the elementwise work alone.
+Masks, soft cap, local windows and packed segments as pallas_mgpu_vjp (its helpers); no document ranges yet (causal
+packed calls visit every causal block).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from clis_kernels import masks
+from clis_kernels.common import int32_loop
+from clis_kernels.mgpu_pipeline import COMPUTE_WARPGROUPS, kv_blocks, stream_kv, swizzled
+from clis_kernels.pallas_mgpu_vjp import COL, ROW, ROWS, _capped, _masked, _q_blocks, _stream_query_blocks
+
+SCORES, HELPER = 0, 1  # the compute warpgroups' roles
+HEAD_DIMS = (256,)  # the head dims these kernels take (q·k and v equal); each half is two 64-column swizzle tiles
+
+
+def _hand_over(p_smem, ds_smem, p_low, ds_low, handed, taken):
+  """SCORES: P and dS of this step into the hand-over buffer once HELPER has taken the last step's."""
+  plgpu.barrier_wait(taken)
+  if p_smem is not None:
+    p_smem[...] = p_low
+  ds_smem[...] = ds_low
+  plgpu.commit_smem()
+  plgpu.barrier_arrive(handed)
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, sigma2, scale, slots, group,
+                has_segments, window=None, cap2=None, tanh: str = "approx"):
+  qseg_ref = kseg_ref = None
+  if has_segments:
+    (qseg_ref, kseg_ref), refs = refs[:2], refs[2:]
+  dk_ref, dv_ref = refs
+  dtype, head_dim, value_head_dim = k_ref.dtype, k_ref.shape[-1], v_ref.shape[-1]
+  half, value_half = head_dim // 2, value_head_dim // 2
+  num_q_blocks = q_ref.shape[1] // ROWS
+  batch, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
+  kv0 = lax.axis_index("kv_tiles") * ROWS  # low tiles see the most causal query blocks: they start first
+  rows = pl.ds(kv0, ROWS)
+  first, first_full = _q_blocks(kv0, ROWS, causal=causal, num_q_blocks=num_q_blocks)
+  end = num_q_blocks
+  if window is not None:  # the band of q blocks whose rows see these keys
+    first, end = masks.window_q_blocks(lax.div(kv0, jnp.int32(ROWS)), window=window, block_q=ROWS, block_k=ROWS,
+                                       num_q_blocks=num_q_blocks, div=masks.idiv)
+  per_head = jnp.asarray(end - first, jnp.int32)  # q blocks streamed per head of the group
+
+  def body(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, k_ready, v_ready, q_ready,
+           do_ready, lse_ready, delta_ready, free, handed, taken, kv_read, *seg_scratch):
+    wg = lax.axis_index("wg")
+    kseg_smem, qseg_smem, kseg_ready, qseg_ready = seg_scratch if has_segments else (None,) * 4
+    slot_of = lambda g, j: lax.rem(g * per_head + j - first, jnp.int32(slots))
+
+    def wait_block(slot, *, scores: bool):
+      barriers = (q_ready, do_ready) + ((lse_ready, delta_ready) + ((qseg_ready,) if has_segments else ())
+                                        if scores else ())
+      for barrier in barriers:
+        plgpu.barrier_wait(barrier.at[slot])
+
+    def loop(step, carry):
+      """step(j, carry, g, masked) over every q block of every head of the group, masked where it must be."""
+      def head_loop(g, carry):
+        if window is not None:
+          whole = masks.window_full_blocks(kv0, rows=ROWS, window=window[::-1], block=ROWS, kv_len=None,
+                                           div=masks.idiv)
+          lead, full = masks.masked_edges(first, end, whole)
+          carry = int32_loop(first, lead, functools.partial(step, g=g, masked=True), carry)
+          carry = int32_loop(lead, full, functools.partial(step, g=g, masked=False), carry)
+          return int32_loop(full, end, functools.partial(step, g=g, masked=True), carry)
+        if causal:
+          carry = int32_loop(first, first_full, functools.partial(step, g=g, masked=True), carry)
+          return int32_loop(first_full, end, functools.partial(step, g=g, masked=False), carry)
+        return int32_loop(0, num_q_blocks, functools.partial(step, g=g, masked=False), carry)
+
+      return int32_loop(0, group, head_loop, carry)
+
+    zeros = lambda width: plgpu.layout_cast(jnp.zeros((ROWS, width), jnp.float32), plgpu.Layout.WGMMA)
+
+    def write_out(dk, dv, h):
+      """This warpgroup's half h of dK and dV, through K's and V's half h (TMA stores contiguous tiles only)."""
+      k_smem.at[h][...] = (dk * scale).astype(dtype)
+      v_smem.at[h][...] = dv.astype(dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(k_smem.at[h], dk_ref.at[batch, rows, kv_head, pl.ds(h * half, half)])
+      plgpu.copy_smem_to_gmem(v_smem.at[h], dv_ref.at[batch, rows, kv_head, pl.ds(h * value_half, value_half)])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == SCORES)
+    def _scores():
+      plgpu.set_max_registers(232, action="increase")
+      for h in range(2):  # K and V by halves of the head dim, which dK and dV later take over
+        plgpu.copy_gmem_to_smem(k_ref.at[batch, rows, kv_head, pl.ds(h * half, half)], k_smem.at[h], k_ready.at[h])
+        plgpu.copy_gmem_to_smem(v_ref.at[batch, rows, kv_head, pl.ds(h * value_half, value_half)], v_smem.at[h],
+                                v_ready.at[h])
+      k_ids = None
+      if has_segments:
+        plgpu.copy_gmem_to_smem(kseg_ref.at[batch, rows], kseg_smem, kseg_ready.at[0])
+        plgpu.barrier_wait(kseg_ready.at[0])
+        k_ids = plgpu.load(kseg_smem, layout=ROW)
+      for h in range(2):
+        plgpu.barrier_wait(k_ready.at[h])
+        plgpu.barrier_wait(v_ready.at[h])
+      columns, value_columns = pl.ds(0, half), pl.ds(0, value_half)
+
+      def step(j, carry, g, masked: bool):
+        dk, dv = carry
+        slot = slot_of(g, j)
+        wait_block(slot, scores=True)
+
+        def s_scope(acc_ref):  # Sᵀ: keys × queries, over both halves of the head dim
+          for h in range(2):
+            plgpu.wgmma(acc_ref, k_smem.at[h], q_smem.at[slot, :, pl.ds(h * half, half)].T)
+          return acc_ref[...]
+
+        s, dtanh = _capped(pl.run_scoped(s_scope, plgpu.ACC((ROWS, ROWS), jnp.float32)), sigma2, cap2, tanh)
+        q_ids = None if not has_segments else plgpu.load(qseg_smem.at[slot], layout=COL)
+        s = _masked(s, kv0, j * ROWS, k_ids, q_ids, causal_rows_are_queries=False, causal=causal, kv_len=None,
+                    masked=masked, window=window)
+        lse = lax.broadcast_in_dim(plgpu.load(lse_smem.at[slot], layout=COL), s.shape, [1])
+        delta = lax.broadcast_in_dim(plgpu.load(delta_smem.at[slot], layout=COL), s.shape, [1])
+        p = jnp.exp2(s * sigma2 - lse)
+
+        def dp_scope(acc_ref):  # dPᵀ = V·dOᵀ
+          for h in range(2):
+            plgpu.wgmma(acc_ref, v_smem.at[h], do_smem.at[slot, :, pl.ds(h * value_half, value_half)].T)
+          return acc_ref[...]
+
+        ds = p * (pl.run_scoped(dp_scope, plgpu.ACC((ROWS, ROWS), jnp.float32)) - delta)
+        if dtanh is not None:
+          ds = ds * dtanh
+        p_low, ds_low = p.astype(dtype), ds.astype(dtype)
+        _hand_over(p_smem, ds_smem, p_low, ds_low, handed, taken)
+
+        def update(refs):
+          dk_ref_, dv_ref_ = refs
+          plgpu.wgmma(dv_ref_, p_low, do_smem.at[slot, :, value_columns])
+          plgpu.wgmma(dk_ref_, ds_low, q_smem.at[slot, :, columns])
+
+        dk, dv = pl.run_state(update)((plgpu.ACC.init(dk), plgpu.ACC.init(dv)))
+        plgpu.barrier_arrive(free.at[slot])
+        return dk, dv
+
+      dk, dv = loop(step, (zeros(half), zeros(value_half)))
+      plgpu.barrier_arrive(kv_read)  # K and V are read for the last time: HELPER may write its halves over them
+      write_out(dk, dv, 0)
+
+    @pl.when(wg == HELPER)
+    def _helper():
+      plgpu.set_max_registers(232, action="increase")
+      plgpu.barrier_arrive(taken)  # the buffer is free for SCORES's first step
+      columns, value_columns = pl.ds(half, half), pl.ds(value_half, value_half)
+
+      def step(j, carry, g, masked: bool):
+        del masked  # SCORES masked P and dS
+        dk, dv = carry
+        slot = slot_of(g, j)
+        wait_block(slot, scores=False)
+        plgpu.barrier_wait(handed)
+
+        def update(refs):
+          dk_ref_, dv_ref_ = refs
+          plgpu.wgmma(dv_ref_, p_smem, do_smem.at[slot, :, value_columns])
+          plgpu.wgmma(dk_ref_, ds_smem, q_smem.at[slot, :, columns])
+
+        dk, dv = pl.run_state(update)((plgpu.ACC.init(dk), plgpu.ACC.init(dv)))
+        plgpu.barrier_arrive(taken)
+        plgpu.barrier_arrive(free.at[slot])
+        return dk, dv
+
+      dk, dv = loop(step, (zeros(half), zeros(value_half)))
+      plgpu.barrier_wait(kv_read)
+      write_out(dk, dv, 1)
+
+    @pl.when(wg == COMPUTE_WARPGROUPS)
+    def _memory():
+      plgpu.set_max_registers(40, action="decrease")
+      by_rows, by_head = (lambda h, r: (batch, r, h)), (lambda h, r: (batch, h, r))
+      streams = [(q_ref, q_smem, q_ready, by_rows), (do_ref, do_smem, do_ready, by_rows),
+                 (lse_ref, lse_smem, lse_ready, by_head), (delta_ref, delta_smem, delta_ready, by_head)]
+      if has_segments:
+        streams.append((qseg_ref, qseg_smem, qseg_ready, lambda h, r: (batch, r)))
+      _stream_query_blocks(streams, kv_head=kv_head, group=group, per_head=per_head, cta_first=first, slots=slots,
+                           free=free)
+
+  one = lambda: plgpu.Barrier(num_barriers=1)
+  per_slot = lambda: plgpu.Barrier(num_barriers=slots)
+  pl.run_scoped(
+      body,
+      plgpu.SMEM((2, ROWS, half), dtype, transforms=swizzled()),  # k by halves of the head dim, then dk
+      plgpu.SMEM((2, ROWS, value_half), dtype, transforms=swizzled()),  # v, then dv
+      plgpu.SMEM((slots, ROWS, head_dim), dtype, transforms=swizzled()),  # q blocks
+      plgpu.SMEM((slots, ROWS, value_head_dim), dtype, transforms=swizzled()),  # dO blocks
+      plgpu.SMEM((slots, ROWS), jnp.float32),  # lse blocks
+      plgpu.SMEM((slots, ROWS), jnp.float32),  # Δ blocks
+      plgpu.SMEM((ROWS, ROWS), dtype, transforms=swizzled()),  # Pᵀ handed over
+      plgpu.SMEM((ROWS, ROWS), dtype, transforms=swizzled()),  # dSᵀ handed over
+      plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2),  # k, v ready (by halves)
+      per_slot(), per_slot(), per_slot(), per_slot(),  # q, dO, lse, Δ ready
+      plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=slots),  # slot free
+      plgpu.Barrier(), plgpu.Barrier(), plgpu.Barrier(),  # handed, taken, kv_read
+      *(() if not has_segments else (
+          plgpu.SMEM((ROWS,), jnp.int32), plgpu.SMEM((slots, ROWS), jnp.int32), one(), per_slot())),
+      collective_axes="wg",
+  )
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, sigma2, scale, slots, kv_len,
+               group, has_segments, window=None, cap2=None, tanh: str = "approx"):
+  qseg_ref = kseg_ref = None
+  if has_segments:
+    (qseg_ref, kseg_ref), refs = refs[:2], refs[2:]
+  (dq_ref,) = refs
+  dtype, head_dim = q_ref.dtype, q_ref.shape[-1]
+  half = head_dim // 2
+  batch, head = lax.axis_index("batch"), lax.axis_index("heads")
+  num_tiles = q_ref.shape[1] // ROWS
+  tile = num_tiles - 1 - lax.axis_index("q_tiles") if causal else lax.axis_index("q_tiles")  # longest rows first
+  row0 = tile * ROWS
+  rows = pl.ds(row0, ROWS)
+  kv_head = lax.div(head, jnp.int32(group))
+  num_kv_blocks = k_ref.shape[1] // ROWS
+  full, total = kv_blocks(row0, ROWS, causal=causal, block_kv=ROWS, num_kv_blocks=num_kv_blocks, kv_len=kv_len)
+  first = lead = 0
+  if window is not None:  # the band of KV blocks, masked at its edges
+    first, total = masks.window_kv_blocks(tile, window=window, block_q=ROWS, block_k=ROWS,
+                                          num_kv_blocks=num_kv_blocks, div=masks.idiv)
+    whole = masks.window_full_blocks(row0, rows=ROWS, window=window, block=ROWS, kv_len=kv_len, div=masks.idiv)
+    lead, full = masks.masked_edges(first, total, whole)
+  blocks = jnp.asarray(total - first, jnp.int32)
+  slot_of = lambda i: lax.rem(i - first, jnp.int32(slots))
+
+  def body(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, q_ready, do_ready, lse_ready, delta_ready,
+           k_ready, v_ready, free, handed, taken, q_read, *seg_scratch):
+    wg = lax.axis_index("wg")
+    qseg_smem, kseg_smem, qseg_ready, kseg_ready = seg_scratch if has_segments else (None,) * 4
+
+    def loop(step, carry):
+      if window is not None:
+        carry = int32_loop(first, lead, functools.partial(step, masked=True), carry)
+      carry = int32_loop(lead, full, functools.partial(step, masked=False), carry)
+      if causal or kv_len is not None or window is not None:
+        carry = int32_loop(full, total, functools.partial(step, masked=True), carry)
+      return carry
+
+    def write_out(dq, h):
+      """This warpgroup's half h of dQ, through Q's half h."""
+      q_smem.at[h][...] = (dq * scale).astype(dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(q_smem.at[h], dq_ref.at[batch, rows, head, pl.ds(h * half, half)])
+      plgpu.wait_smem_to_gmem(0)
+
+    zeros = plgpu.layout_cast(jnp.zeros((ROWS, half), jnp.float32), plgpu.Layout.WGMMA)
+
+    @pl.when(wg == SCORES)
+    def _scores():
+      plgpu.set_max_registers(232, action="increase")
+      for h in range(2):  # Q by halves of the head dim, which dQ later takes over
+        plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head, pl.ds(h * half, half)], q_smem.at[h], q_ready.at[h])
+      plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, head], do_smem, do_ready.at[0])
+      plgpu.copy_gmem_to_smem(lse_ref.at[batch, head, rows], lse_smem, lse_ready.at[0])
+      plgpu.copy_gmem_to_smem(delta_ref.at[batch, head, rows], delta_smem, delta_ready.at[0])
+      q_ids = None
+      if has_segments:
+        plgpu.copy_gmem_to_smem(qseg_ref.at[batch, rows], qseg_smem, qseg_ready.at[0])
+        plgpu.barrier_wait(qseg_ready.at[0])
+        q_ids = plgpu.load(qseg_smem, layout=ROW)
+      for barrier in (q_ready.at[0], q_ready.at[1], do_ready.at[0], lse_ready.at[0], delta_ready.at[0]):
+        plgpu.barrier_wait(barrier)
+      rows_of = lambda x: lax.broadcast_in_dim(x, (ROWS, ROWS), [0])
+      lse, delta = rows_of(plgpu.load(lse_smem, layout=ROW)), rows_of(plgpu.load(delta_smem, layout=ROW))
+      columns = pl.ds(0, half)
+
+      def step(i, dq, masked: bool):
+        slot = slot_of(i)
+        plgpu.barrier_wait(k_ready.at[slot])
+
+        def s_scope(acc_ref):  # over both halves of the head dim
+          for h in range(2):
+            plgpu.wgmma(acc_ref, q_smem.at[h], k_smem.at[slot, :, pl.ds(h * half, half)].T)
+          return acc_ref[...]
+
+        s, dtanh = _capped(pl.run_scoped(s_scope, plgpu.ACC((ROWS, ROWS), jnp.float32)), sigma2, cap2, tanh)
+        k_ids = None
+        if has_segments:
+          plgpu.barrier_wait(kseg_ready.at[slot])
+          k_ids = plgpu.load(kseg_smem.at[slot], layout=COL)
+        s = _masked(s, row0, i * ROWS, q_ids, k_ids, causal_rows_are_queries=True, causal=causal, kv_len=kv_len,
+                    masked=masked, window=window)
+        p = jnp.exp2(s * sigma2 - lse)
+        plgpu.barrier_wait(v_ready.at[slot])
+
+        def dp_scope(acc_ref):
+          plgpu.wgmma(acc_ref, do_smem, v_smem.at[slot].T)
+          return acc_ref[...]
+
+        ds = p * (pl.run_scoped(dp_scope, plgpu.ACC((ROWS, ROWS), jnp.float32)) - delta)
+        if dtanh is not None:
+          ds = ds * dtanh
+        ds_low = ds.astype(dtype)
+        _hand_over(None, ds_smem, None, ds_low, handed, taken)
+
+        def update(acc_ref):
+          plgpu.wgmma(acc_ref, ds_low, k_smem.at[slot, :, columns])
+
+        dq = pl.run_state(update)(plgpu.ACC.init(dq))
+        plgpu.barrier_arrive(free.at[slot])
+        return dq
+
+      dq = loop(step, zeros)
+      plgpu.barrier_arrive(q_read)  # Q is read for the last time: HELPER may write its half over it
+      write_out(dq, 0)
+
+    @pl.when(wg == HELPER)
+    def _helper():
+      plgpu.set_max_registers(232, action="increase")
+      plgpu.barrier_arrive(taken)
+      columns = pl.ds(half, half)
+
+      def step(i, dq, masked: bool):
+        del masked
+        slot = slot_of(i)
+        plgpu.barrier_wait(k_ready.at[slot])
+        plgpu.barrier_wait(handed)
+
+        def update(acc_ref):
+          plgpu.wgmma(acc_ref, ds_smem, k_smem.at[slot, :, columns])
+
+        dq = pl.run_state(update)(plgpu.ACC.init(dq))
+        plgpu.barrier_arrive(taken)
+        plgpu.barrier_arrive(free.at[slot])
+        return dq
+
+      dq = loop(step, zeros)
+      plgpu.barrier_wait(q_read)
+      write_out(dq, 1)
+
+    @pl.when(wg == COMPUTE_WARPGROUPS)
+    def _memory():
+      plgpu.set_max_registers(40, action="decrease")
+      stream_kv(k_ref, v_ref, kseg_ref, k_smem, v_smem, kseg_smem, k_ready, v_ready, kseg_ready, batch=batch,
+                kv_head=kv_head, block_kv=ROWS, num_blocks=blocks, slots=slots, free=(free,),
+                block_of=lambda i: first + i)
+
+  one = lambda: plgpu.Barrier(num_barriers=1)
+  per_slot = lambda: plgpu.Barrier(num_barriers=slots)
+  pl.run_scoped(
+      body,
+      plgpu.SMEM((2, ROWS, half), dtype, transforms=swizzled()),  # q by halves of the head dim, then dq
+      plgpu.SMEM((ROWS, v_ref.shape[-1]), dtype, transforms=swizzled()),  # dO
+      plgpu.SMEM((slots, ROWS, head_dim), dtype, transforms=swizzled()),  # k blocks
+      plgpu.SMEM((slots, ROWS, v_ref.shape[-1]), dtype, transforms=swizzled()),  # v blocks
+      plgpu.SMEM((ROWS,), jnp.float32),  # lse
+      plgpu.SMEM((ROWS,), jnp.float32),  # Δ
+      plgpu.SMEM((ROWS, ROWS), dtype, transforms=swizzled()),  # dS handed over
+      plgpu.Barrier(num_barriers=2), one(), one(), one(),  # q (by halves), dO, lse, Δ ready
+      per_slot(), per_slot(),  # k, v ready
+      plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=slots),  # slot free
+      plgpu.Barrier(), plgpu.Barrier(), plgpu.Barrier(),  # handed, taken, q_read
+      *(() if not has_segments else (
+          plgpu.SMEM((ROWS,), jnp.int32), plgpu.SMEM((slots, ROWS), jnp.int32), one(), per_slot())),
+      collective_axes="wg",
+  )
