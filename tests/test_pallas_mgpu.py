@@ -306,7 +306,8 @@ def test_wide_heads_lower_as_mosaic_kernels(d, causal, packed, kw, bound):
 
 def test_wide_backward_launches_one_cta_per_64_rows():
   """At head dim 256 both compute warpgroups share a CTA's 64 rows (pallas_mgpu_vjp_wide), so the grids have twice
-  the CTAs of the two-kernel backward's, which gives each warpgroup 64 rows of its own; document ranges are off."""
+  the CTAs of the two-kernel backward's, which gives each warpgroup 64 rows of its own, and document ranges per 64
+  rows."""
   q = jnp.zeros((2, 512, 4, 256), jnp.bfloat16)
   k = jnp.zeros((2, 512, 2, 256), jnp.bfloat16)
   lse = jnp.zeros((2, 4, 512), jnp.float32)
@@ -314,10 +315,11 @@ def test_wide_backward_launches_one_cta_per_64_rows():
   launch = pallas_mgpu_vjp.Launches(q, k, k, seg, q, lse, q, causal=True, scale=0.1, kv_len=512,
                                     block_sizes=pallas_mgpu_vjp.BlockSizes())
   assert launch.wide and (launch.dq_grid, launch.dkv_grid) == ((4, 8, 2), (2, 8, 2))
-  assert not launch.common["doc_ranges"]
+  assert launch.common["doc_ranges"] and launch.dq_args[-1].shape[:2] == launch.dkv_args[-1].shape[:2] == (2, 8)
   narrow = pallas_mgpu_vjp.Launches(q[..., :128], k[..., :128], k[..., :128], seg, q[..., :128], lse, q[..., :128],
                                     causal=True, scale=0.1, kv_len=512, block_sizes=pallas_mgpu_vjp.BlockSizes())
   assert not narrow.wide and (narrow.dq_grid, narrow.dkv_grid) == ((4, 4, 2), (2, 4, 2))
+  assert narrow.dq_args[-1].shape[:2] == narrow.dkv_args[-1].shape[:2] == (2, 4)
 
 
 @pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")

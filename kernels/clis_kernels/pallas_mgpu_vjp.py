@@ -564,18 +564,17 @@ class Launches:
     args = [q, k, v, do, lse, delta]
     if segment_ids is not None:  # key id 0 (padding) becomes −1, as in the forward
       args += [segment_ids.q.astype(jnp.int32), jnp.where(segment_ids.kv == 0, -1, segment_ids.kv).astype(jnp.int32)]
-    doc_ranges = (block_sizes.document_ranges and causal and segment_ids is not None and window is None
-                  and not self.wide)  # the wide kernels visit every causal block
+    doc_ranges = block_sizes.document_ranges and causal and segment_ids is not None and window is None
     self.common = dict(causal=causal, sigma2=scale * LOG2E, scale=scale, slots=block_sizes.slots,
                        group=num_heads // num_kv_heads, has_segments=segment_ids is not None, doc_ranges=doc_ranges,
                        window=None if window is None else tuple(int(w) for w in window),
                        cap2=None if softcap is None else float(softcap) * LOG2E, tanh=block_sizes.soft_cap_tanh)
     self.dq_args, self.dkv_args = args, args
-    if doc_ranges:
-      self.dq_args = args + [first_kv_blocks(segment_ids, cta_rows=COMPUTE_WARPGROUPS * ROWS, block_kv=ROWS)]
-      self.dkv_args = args + [_q_block_ends(segment_ids)]
-    self.q, self.k, self.v, self.scale, self.kv_len, self.block_sizes = q, k, v, scale, kv_len, block_sizes
     cta_rows = ROWS if self.wide else COMPUTE_WARPGROUPS * ROWS  # the wide kernels' warpgroups share their rows
+    if doc_ranges:
+      self.dq_args = args + [first_kv_blocks(segment_ids, cta_rows=cta_rows, block_kv=ROWS)]
+      self.dkv_args = args + [_q_block_ends(segment_ids, cta_rows=cta_rows)]
+    self.q, self.k, self.v, self.scale, self.kv_len, self.block_sizes = q, k, v, scale, kv_len, block_sizes
     self.dq_grid = (num_heads, seq // cta_rows, batch)
     self.dkv_grid = (num_kv_heads, kv_seq // cta_rows, batch)
 
@@ -598,7 +597,7 @@ class Launches:
     if not self.wide:
       return _dq_kernel, _dkv_kernel, self.common
     from clis_kernels import pallas_mgpu_vjp_wide as wide
-    return wide._dq_kernel, wide._dkv_kernel, {k: v for k, v in self.common.items() if k != "doc_ranges"}
+    return wide._dq_kernel, wide._dkv_kernel, self.common
 
   def dq(self):
     """dq from the dQ kernel (rows = queries)."""
@@ -616,7 +615,8 @@ class Launches:
                         ("heads", "kv_tiles", "batch"))(*self.dkv_args)
 
 
-def _q_block_ends(segment_ids):
-  """masks.causal_document_ranges's end (q blocks of ROWS) per kv tile, as range rows [B, kv tiles, RANGE_WIDTH]."""
-  _, end = masks.causal_document_ranges(segment_ids, block_q=ROWS, block_k=COMPUTE_WARPGROUPS * ROWS)
+def _q_block_ends(segment_ids, *, cta_rows: int):
+  """masks.causal_document_ranges's end (q blocks of ROWS) per kv tile of cta_rows keys, as range rows
+  [B, kv tiles, RANGE_WIDTH]."""
+  _, end = masks.causal_document_ranges(segment_ids, block_q=ROWS, block_k=cta_rows)
   return jnp.broadcast_to(end[..., None], end.shape + (RANGE_WIDTH,))

@@ -12,8 +12,7 @@ SCORES takes its operands from registers, HELPER from the hand-over buffer, whic
 j + 1's only once HELPER has taken step j's (`taken`; HELPER arrives once before its loop, so the first write does not
 wait). The tensor cores run both warpgroups' matmuls, so the split costs no matmul work; what it costs is the hand-over
 (16 KiB of shared memory, two barriers a step) and SCORES doing the elementwise work alone.
-Masks, soft cap, local windows and packed segments as pallas_mgpu_vjp (its helpers); no document ranges yet (causal
-packed calls visit every causal block).
+Masks, soft cap, local windows, packed segments and document ranges as pallas_mgpu_vjp (its helpers).
 """
 
 from __future__ import annotations
@@ -27,7 +26,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from clis_kernels import masks
 from clis_kernels.common import int32_loop
-from clis_kernels.mgpu_pipeline import COMPUTE_WARPGROUPS, kv_blocks, stream_kv, swizzled
+from clis_kernels.mgpu_pipeline import (COMPUTE_WARPGROUPS, kv_blocks, range_scratch, read_range_entry, stream_kv,
+                                        swizzled)
 from clis_kernels.pallas_mgpu_vjp import COL, ROW, ROWS, _capped, _masked, _q_blocks, _stream_query_blocks
 
 SCORES, HELPER = 0, 1  # the compute warpgroups' roles
@@ -45,10 +45,12 @@ def _hand_over(p_smem, ds_smem, p_low, ds_low, handed, taken):
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, sigma2, scale, slots, group,
-                has_segments, window=None, cap2=None, tanh: str = "approx"):
-  qseg_ref = kseg_ref = None
+                has_segments, doc_ranges: bool = False, window=None, cap2=None, tanh: str = "approx"):
+  qseg_ref = kseg_ref = range_ref = None
   if has_segments:
     (qseg_ref, kseg_ref), refs = refs[:2], refs[2:]
+  if doc_ranges:  # [B, kv tiles, RANGE_WIDTH]: one past the CTA's last q block
+    (range_ref,), refs = refs[:1], refs[1:]
   dk_ref, dv_ref = refs
   dtype, head_dim, value_head_dim = k_ref.dtype, k_ref.shape[-1], v_ref.shape[-1]
   half, value_half = head_dim // 2, value_head_dim // 2
@@ -61,12 +63,16 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
   if window is not None:  # the band of q blocks whose rows see these keys
     first, end = masks.window_q_blocks(lax.div(kv0, jnp.int32(ROWS)), window=window, block_q=ROWS, block_k=ROWS,
                                        num_q_blocks=num_q_blocks, div=masks.idiv)
-  per_head = jnp.asarray(end - first, jnp.int32)  # q blocks streamed per head of the group
 
   def body(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, k_ready, v_ready, q_ready,
-           do_ready, lse_ready, delta_ready, free, handed, taken, kv_read, *seg_scratch):
+           do_ready, lse_ready, delta_ready, free, handed, taken, kv_read, *extra_scratch):
     wg = lax.axis_index("wg")
+    seg_scratch, ranges = extra_scratch[:4 * has_segments], extra_scratch[4 * has_segments:]
     kseg_smem, qseg_smem, kseg_ready, qseg_ready = seg_scratch if has_segments else (None,) * 4
+    last = end  # one past the last q block the CTA visits: its keys' documents' end with document ranges
+    if doc_ranges:
+      last = read_range_entry(range_ref.at[batch, lax.axis_index("kv_tiles")], *ranges)
+    per_head = jnp.asarray(last - first, jnp.int32)  # q blocks streamed per head of the group
     slot_of = lambda g, j: lax.rem(g * per_head + j - first, jnp.int32(slots))
 
     def wait_block(slot, *, scores: bool):
@@ -81,13 +87,13 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
         if window is not None:
           whole = masks.window_full_blocks(kv0, rows=ROWS, window=window[::-1], block=ROWS, kv_len=None,
                                            div=masks.idiv)
-          lead, full = masks.masked_edges(first, end, whole)
+          lead, full = masks.masked_edges(first, last, whole)
           carry = int32_loop(first, lead, functools.partial(step, g=g, masked=True), carry)
           carry = int32_loop(lead, full, functools.partial(step, g=g, masked=False), carry)
-          return int32_loop(full, end, functools.partial(step, g=g, masked=True), carry)
+          return int32_loop(full, last, functools.partial(step, g=g, masked=True), carry)
         if causal:
           carry = int32_loop(first, first_full, functools.partial(step, g=g, masked=True), carry)
-          return int32_loop(first_full, end, functools.partial(step, g=g, masked=False), carry)
+          return int32_loop(first_full, last, functools.partial(step, g=g, masked=False), carry)
         return int32_loop(0, num_q_blocks, functools.partial(step, g=g, masked=False), carry)
 
       return int32_loop(0, group, head_loop, carry)
@@ -218,15 +224,18 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
       plgpu.Barrier(), plgpu.Barrier(), plgpu.Barrier(),  # handed, taken, kv_read
       *(() if not has_segments else (
           plgpu.SMEM((ROWS,), jnp.int32), plgpu.SMEM((slots, ROWS), jnp.int32), one(), per_slot())),
+      *(range_scratch() if doc_ranges else ()),
       collective_axes="wg",
   )
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, sigma2, scale, slots, kv_len,
-               group, has_segments, window=None, cap2=None, tanh: str = "approx"):
-  qseg_ref = kseg_ref = None
+               group, has_segments, doc_ranges: bool = False, window=None, cap2=None, tanh: str = "approx"):
+  qseg_ref = kseg_ref = range_ref = None
   if has_segments:
     (qseg_ref, kseg_ref), refs = refs[:2], refs[2:]
+  if doc_ranges:  # [B, q tiles, RANGE_WIDTH]: the CTA's first KV block
+    (range_ref,), refs = refs[:1], refs[1:]
   (dq_ref,) = refs
   dtype, head_dim = q_ref.dtype, q_ref.shape[-1]
   half = head_dim // 2
@@ -238,26 +247,32 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, s
   kv_head = lax.div(head, jnp.int32(group))
   num_kv_blocks = k_ref.shape[1] // ROWS
   full, total = kv_blocks(row0, ROWS, causal=causal, block_kv=ROWS, num_kv_blocks=num_kv_blocks, kv_len=kv_len)
-  first = lead = 0
+  band = None
   if window is not None:  # the band of KV blocks, masked at its edges
-    first, total = masks.window_kv_blocks(tile, window=window, block_q=ROWS, block_k=ROWS,
-                                          num_kv_blocks=num_kv_blocks, div=masks.idiv)
-    whole = masks.window_full_blocks(row0, rows=ROWS, window=window, block=ROWS, kv_len=kv_len, div=masks.idiv)
-    lead, full = masks.masked_edges(first, total, whole)
-  blocks = jnp.asarray(total - first, jnp.int32)
-  slot_of = lambda i: lax.rem(i - first, jnp.int32(slots))
+    band = masks.window_kv_blocks(tile, window=window, block_q=ROWS, block_k=ROWS, num_kv_blocks=num_kv_blocks,
+                                  div=masks.idiv)
 
   def body(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, q_ready, do_ready, lse_ready, delta_ready,
-           k_ready, v_ready, free, handed, taken, q_read, *seg_scratch):
+           k_ready, v_ready, free, handed, taken, q_read, *extra_scratch):
     wg = lax.axis_index("wg")
+    seg_scratch, ranges = extra_scratch[:4 * has_segments], extra_scratch[4 * has_segments:]
     qseg_smem, kseg_smem, qseg_ready, kseg_ready = seg_scratch if has_segments else (None,) * 4
+    first, lead, full_, total_ = 0, 0, full, total  # steps [first, lead) and [full_, total_) masked
+    if doc_ranges:  # the rows' documents' first KV block: the stream and the unmasked steps start there
+      first = lead = read_range_entry(range_ref.at[batch, tile], *ranges)
+    if band is not None:
+      first, total_ = band
+      whole = masks.window_full_blocks(row0, rows=ROWS, window=window, block=ROWS, kv_len=kv_len, div=masks.idiv)
+      lead, full_ = masks.masked_edges(first, total_, whole)
+    blocks = jnp.asarray(total_ - first, jnp.int32)
+    slot_of = lambda i: lax.rem(i - first, jnp.int32(slots))
 
     def loop(step, carry):
       if window is not None:
         carry = int32_loop(first, lead, functools.partial(step, masked=True), carry)
-      carry = int32_loop(lead, full, functools.partial(step, masked=False), carry)
+      carry = int32_loop(lead, full_, functools.partial(step, masked=False), carry)
       if causal or kv_len is not None or window is not None:
-        carry = int32_loop(full, total, functools.partial(step, masked=True), carry)
+        carry = int32_loop(full_, total_, functools.partial(step, masked=True), carry)
       return carry
 
     def write_out(dq, h):
@@ -376,5 +391,6 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, s
       plgpu.Barrier(), plgpu.Barrier(), plgpu.Barrier(),  # handed, taken, q_read
       *(() if not has_segments else (
           plgpu.SMEM((ROWS,), jnp.int32), plgpu.SMEM((slots, ROWS), jnp.int32), one(), per_slot())),
+      *(range_scratch() if doc_ranges else ()),
       collective_axes="wg",
   )
