@@ -27,10 +27,14 @@ from clis_train.config import ATTENTIONS
 BATCH_AXES = ("data", "fsdp")
 
 
-def _cudnn(q, k, v, segment_ids, window=None):
+def _cudnn(q, k, v, segment_ids, window=None, *, implementation="cudnn"):
+  """jax.nn.dot_product_attention under the trainer's convention: causal within packed documents, `window` keys
+  before each query (None: all), padding (id 0) zeroed. The mask is [B, 1, S, S] booleans: jax.nn takes packed
+  documents and a window together only as a mask. implementation=None runs XLA (for tests off GPUs)."""
+  local = None if window is None else (window, 0)
   seg = jax.vmap(lambda s: masks.visible(jnp.arange(s.shape[0]), jnp.arange(s.shape[0]), s, s, causal=True,
-                                         kv_len=None, window=window))(segment_ids)
-  out = jax.nn.dot_product_attention(q, k, v, mask=seg[:, None], implementation="cudnn")
+                                         kv_len=None, window=local))(segment_ids)
+  out = jax.nn.dot_product_attention(q, k, v, mask=seg[:, None], implementation=implementation)
   return jnp.where((segment_ids != 0)[:, :, None, None], out, 0).astype(q.dtype)
 
 

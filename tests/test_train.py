@@ -315,6 +315,25 @@ def test_tokamax_attention_keeps_packed_documents_apart():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("window", [None, 5])
+def test_cudnn_attention_mask_matches_dot_product(window):
+  """attention=cudnn's call (packed documents and the sliding window as jax.nn's boolean mask, padding zeroed),
+  run through jax.nn's XLA implementation on the CPU: output and gradients equal attention=dot_product's under
+  the trainer's window convention (an int: keys before each query)."""
+  from clis_kernels.testing import packed_segments, random_inputs
+  from clis_train.attention import _cudnn, make_attention
+  q, k, v, do = random_inputs(4, 2, 96, 4, 2, 32, jnp.float32)
+  seg = packed_segments(4, 2, 96).at[:, -7:].set(0)
+  dense = make_attention("dot_product", None)
+  outs = {}
+  for name, fn in (("cudnn", lambda q, k, v: _cudnn(q, k, v, seg, window, implementation=None)),
+                   ("dot_product", lambda q, k, v: dense(q, k, v, seg, window=window)[0])):
+    out, vjp = jax.vjp(fn, q, k, v)
+    outs[name] = (out, *vjp(do))
+  for got, want in zip(outs["cudnn"], outs["dot_product"]):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+
+
 def test_attention_kernels_are_lowered_once_for_all_layers():
   """The step's module holds one copy of each attention kernel however many layers call it (compile time:
   16 layers held 64 Mosaic GPU kernels before make_attention's jit)."""
