@@ -13,6 +13,8 @@
 #                      online loop, 16k-64k, causal and bidirectional (re-deciding the Hopper certify rule)
 #   d256               head dim 256 (Gemma 2, GQA 16/8) 8k and 32k: backward and fwd+bwd with the Mosaic GPU backward
 #                      (pallas_mgpu_vjp_wide) against the Triton one and cuDNN
+#   mla_batch          MLA's backward parts at 8k with B 1 and B 4, in one call (the dK/dV kernel's rate by batch)
+#   delta_pass         Δ = rowsum(dO∘O) alone: the kernels' einsum against multiply-and-reduce
 #   certify_rule FAMILY  the certified forward against the online loop where the plan's Hopper rule decides: D 64
 #                      (GQA 32/8) 8k-32k causal and bidirectional, and a 4096-key window at D 128, causal 32k
 #   context_parallel [N]  context-parallel attention over N GPUs (default 1: the machinery's cost on one) against
@@ -49,6 +51,13 @@ case "$1" in
   mla_bwd_parts)
     TAIL=20 step mla_bwd_parts 300 python3 scripts/profile_backward.py --heads 16 16 192 --value-dim 128 \
         --seq-lens 8192 32768 --tokens 32768 --out "$OUT/mla_bwd_parts.json" ;;
+  mla_batch)
+    for tokens in 8192 32768; do
+      TAIL=9 step "mla_batch_T$tokens" 120 python3 scripts/profile_backward.py --heads 16 16 192 --value-dim 128 \
+          --seq-lens 8192 --tokens "$tokens" --repeats 5 --out "$OUT/mla_batch_T$tokens.json"
+    done ;;
+  delta_pass)
+    TAIL=6 step delta_pass 90 python3 notes/experiments/delta_pass.py --out "$OUT/delta_pass.json" ;;
   lse)
     TAIL=20 step "lse_$2" 500 python3 scripts/bench_attention.py --suite llm --seq-lens 16384 32768 65536 \
         --tokens 32768 --causal both --packed no --inputs "$2" --passes fwd fwd_bwd \
@@ -69,5 +78,5 @@ case "$1" in
         --heads 32 8 128 --context "${2:-1}" --family sinks_many --repeats 5 --inner 3 \
         --out "$OUT/context_parallel_${2:-1}.json" ;;
   *) echo "usage: bench_kernels.sh bwd_parts|llm_d128|llm_d64|sweep FAMILY PACKED|bidir FAMILY|diffusion|mla|"\
-"mla_bwd_parts|lse FAMILY|d256|certify_rule FAMILY|context_parallel [N]"; exit 2 ;;
+"mla_bwd_parts|mla_batch|delta_pass|lse FAMILY|d256|certify_rule FAMILY|context_parallel [N]"; exit 2 ;;
 esac
