@@ -367,21 +367,13 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
         plgpu.barrier_arrive(free.at[slot])
 
       def head_loop(g, carry):
-        if window is not None:  # both warpgroups walk the CTA's band (lockstep for split_dq too), masked at its edges
-          whole = masks.window_full_blocks(kv0, rows=ROWS, window=window[::-1], block=ROWS, kv_len=None,
-                                           div=masks.idiv)
-          lead, full = masks.masked_edges(cta_first, end, whole)
-          carry = int32_loop(cta_first, lead, functools.partial(step, g=g, masked=True), carry)
-          carry = int32_loop(lead, full, functools.partial(step, g=g, masked=False), carry)
-          return int32_loop(full, end, functools.partial(step, g=g, masked=True), carry)
-        if causal and split_dq:  # lockstep: both warpgroups take every step of the CTA (masking what they can't see)
-          carry = int32_loop(cta_first, cta_first_full, functools.partial(step, g=g, masked=True), carry)
-          return int32_loop(cta_first_full, end, functools.partial(step, g=g, masked=False), carry)
-        if causal:
+        if causal and window is None and not split_dq:  # from this warpgroup's own diagonal; blocks above released
           int32_loop(cta_first, first, functools.partial(release, g=g), None)
           carry = int32_loop(first, first_full, functools.partial(step, g=g, masked=True), carry)
           return int32_loop(first_full, end, functools.partial(step, g=g, masked=False), carry)
-        return int32_loop(0, num_q_blocks, functools.partial(step, g=g, masked=False), carry)
+        # both warpgroups walk the CTA's blocks (the window's band; lockstep for split_dq), masking what they can't see
+        return _walk_q_blocks(step, carry, g, kv0=kv0, first=cta_first, first_full=cta_first_full, end=end,
+                             causal=causal, window=window, num_q_blocks=num_q_blocks)
 
       zeros = lambda width: plgpu.layout_cast(jnp.zeros((ROWS, width), jnp.float32), plgpu.Layout.WGMMA)
       dk0 = zeros(head_dim)
@@ -407,6 +399,22 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
 
   pl.run_scoped(body, *_dkv_scratch(dtype, head_dim, value_head_dim, slots, has_segments, fused_dq, split_dq),
                 *(range_scratch() if doc_ranges else ()), collective_axes="wg")
+
+
+def _walk_q_blocks(step, carry, g, *, kv0, first, first_full, end, causal: bool, window, num_q_blocks: int):
+  """Group head g of a dK/dV CTA whose rows all take every step: step(j, carry, g=g, masked=...) over q blocks
+  [first, end) (causal: masked up to first_full, past the rows' diagonal block; a window: masked at the band's
+  edges, as seen from keys kv0 on; bidirectional: every block, unmasked). Returns the carry."""
+  if window is not None:
+    whole = masks.window_full_blocks(kv0, rows=ROWS, window=window[::-1], block=ROWS, kv_len=None, div=masks.idiv)
+    lead, full = masks.masked_edges(first, end, whole)
+    carry = int32_loop(first, lead, functools.partial(step, g=g, masked=True), carry)
+    carry = int32_loop(lead, full, functools.partial(step, g=g, masked=False), carry)
+    return int32_loop(full, end, functools.partial(step, g=g, masked=True), carry)
+  if causal:
+    carry = int32_loop(first, first_full, functools.partial(step, g=g, masked=True), carry)
+    return int32_loop(first_full, end, functools.partial(step, g=g, masked=False), carry)
+  return int32_loop(0, num_q_blocks, functools.partial(step, g=g, masked=False), carry)
 
 
 def _stream_query_blocks(streams, *, kv_head, group: int, per_head, cta_first, slots: int, free):

@@ -28,7 +28,8 @@ from clis_kernels import masks
 from clis_kernels.common import int32_loop
 from clis_kernels.mgpu_pipeline import (COMPUTE_WARPGROUPS, kv_blocks, range_scratch, read_range_entry, stream_kv,
                                         swizzled)
-from clis_kernels.pallas_mgpu_vjp import COL, ROW, ROWS, _capped, _masked, _q_blocks, _stream_query_blocks
+from clis_kernels.pallas_mgpu_vjp import (COL, ROW, ROWS, _capped, _masked, _q_blocks, _stream_query_blocks,
+                                         _walk_q_blocks)
 
 SCORES, HELPER = 0, 1  # the compute warpgroups' roles
 HEAD_DIMS = (256,)  # the head dims these kernels take (q·k and v equal); each half is two 64-column swizzle tiles
@@ -83,20 +84,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
 
     def loop(step, carry):
       """step(j, carry, g, masked) over every q block of every head of the group, masked where it must be."""
-      def head_loop(g, carry):
-        if window is not None:
-          whole = masks.window_full_blocks(kv0, rows=ROWS, window=window[::-1], block=ROWS, kv_len=None,
-                                           div=masks.idiv)
-          lead, full = masks.masked_edges(first, last, whole)
-          carry = int32_loop(first, lead, functools.partial(step, g=g, masked=True), carry)
-          carry = int32_loop(lead, full, functools.partial(step, g=g, masked=False), carry)
-          return int32_loop(full, last, functools.partial(step, g=g, masked=True), carry)
-        if causal:
-          carry = int32_loop(first, first_full, functools.partial(step, g=g, masked=True), carry)
-          return int32_loop(first_full, last, functools.partial(step, g=g, masked=False), carry)
-        return int32_loop(0, num_q_blocks, functools.partial(step, g=g, masked=False), carry)
-
-      return int32_loop(0, group, head_loop, carry)
+      return int32_loop(0, group, lambda g, carry: _walk_q_blocks(
+          step, carry, g, kv0=kv0, first=first, first_full=first_full, end=last, causal=causal, window=window,
+          num_q_blocks=num_q_blocks), carry)
 
     zeros = lambda width: plgpu.layout_cast(jnp.zeros((ROWS, width), jnp.float32), plgpu.Layout.WGMMA)
 
