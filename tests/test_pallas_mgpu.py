@@ -376,6 +376,19 @@ WIDE_CASES = [
 ]
 
 
+def _float64_case(name, seq, hq, hkv, d, dv, causal, packed, kw):
+  """(q, k, v, do, segment ids or None, float64's (out, dq, dk, dv)) for one GPU case: bf16 inputs from the case's
+  name, v and dO cut to dv columns, q and k scaled ×4 where a soft cap is asked (so that capped logits saturate)."""
+  q, k, v, do = random_inputs(len(name), 1, seq, hq, hkv, d, jnp.bfloat16)
+  v, do = v[..., :dv], do[..., :dv]
+  if "logits_soft_cap" in kw:
+    q, k = q * 4.0, k * 4.0
+  seg = packed_segments(len(name), 1, seq) if packed else None
+  window = masks.as_window(kw.get("local_window_size"), causal=causal)
+  return q, k, v, do, seg, ref.attention(q, k, v, do, seg, causal=causal, window=window,
+                                         softcap=kw.get("logits_soft_cap"))
+
+
 def _errors_against_float64(want, q, k, v, do, seg, *, causal, implementation, **kw):
   """(errors [out, dq, dk, dv] relative to float64's `want`, outputs, stats, vjp) of one attention call, each finite
   and within TOLERANCE."""
@@ -405,12 +418,7 @@ def test_wide_mosaic_backward_matches_float64_on_gpu(case):
   backward's error under the same forward (pallas_mgpu_triton_bwd), online and certified, and bit-identical run to
   run (each dQ, dK and dV element is summed by one warpgroup in a fixed order)."""
   name, seq, hq, hkv, d, causal, packed, kw = case
-  q, k, v, do = random_inputs(len(name), 1, seq, hq, hkv, d, jnp.bfloat16)
-  if "logits_soft_cap" in kw:
-    q, k = q * 4.0, k * 4.0
-  seg = packed_segments(len(name), 1, seq) if packed else None
-  window = masks.as_window(kw.get("local_window_size"), causal=causal)
-  want = ref.attention(q, k, v, do, seg, causal=causal, window=window, softcap=kw.get("logits_soft_cap"))
+  q, k, v, do, seg, want = _float64_case(name, seq, hq, hkv, d, d, causal, packed, kw)
   errors = {}
   for label, implementation, extra in [("mosaic", "pallas_mgpu", dict(stabilizer="online")),
                                        ("certified", "pallas_mgpu", dict(bound="blocks")),
@@ -472,13 +480,7 @@ def test_wide_heads_match_float64_on_gpu(case):
   """Head dims above 128 through the Mosaic GPU forward (64-key blocks, a pre-pass's certificate: the block bound
   and the radius bound) and the Triton backward, against float64, as accurate as the all-Triton path."""
   name, seq, hq, hkv, d, dv, causal, packed, kw = case
-  q, k, v, do = random_inputs(len(name), 1, seq, hq, hkv, d, jnp.bfloat16)
-  v, do = v[..., :dv], do[..., :dv]
-  if "logits_soft_cap" in kw:
-    q, k = q * 4.0, k * 4.0
-  seg = packed_segments(len(name), 1, seq) if packed else None
-  window = masks.as_window(kw.get("local_window_size"), causal=causal)
-  want = ref.attention(q, k, v, do, seg, causal=causal, window=window, softcap=kw.get("logits_soft_cap"))
+  q, k, v, do, seg, want = _float64_case(name, seq, hq, hkv, d, dv, causal, packed, kw)
   errors = {}
   for label, implementation, extra in [("blocks", "pallas_mgpu_triton_bwd", dict(bound="blocks")),
                                        ("radius", "pallas_mgpu_triton_bwd", dict(bound="radius")),
@@ -516,12 +518,7 @@ def test_window_and_soft_cap_match_float64_on_gpu(case, tanh):
   (two kernels, fused, fused with split dQ at head dim 128) against float64, as accurate as the Triton backward
   (after the default forward). Inputs scaled so the capped logits saturate; both soft_cap_tanh choices."""
   name, seq, hq, hkv, d, causal, packed, kw = case
-  q, k, v, do = random_inputs(len(name), 1, seq, hq, hkv, d, jnp.bfloat16)
-  if "logits_soft_cap" in kw:
-    q, k = q * 4.0, k * 4.0
-  seg = packed_segments(len(name), 1, seq) if packed else None
-  window = masks.as_window(kw.get("local_window_size"), causal=causal)
-  want = ref.attention(q, k, v, do, seg, causal=causal, window=window, softcap=kw.get("logits_soft_cap"))
+  q, k, v, do, seg, want = _float64_case(name, seq, hq, hkv, d, d, causal, packed, kw)
   forward_tiles = pallas_mgpu.BlockSizes(soft_cap_tanh=tanh)
   fwd = {}
   for stabilizer in ("clis", "online"):
