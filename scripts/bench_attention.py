@@ -121,7 +121,7 @@ def _clis_kernel(q, k, v, seg, causal, quick):
 # What takes --window / --softcap (as jax.nn's local_window_size / logits_soft_cap keywords)
 FEATURED = ("clis", "online", "clis_blocks", "clis_radius", "xla", "cudnn", "clis_triton", "online_triton", "clis_mgpu",
             "online_mgpu", "clis_mgpu_triton_bwd", "online_mgpu_triton_bwd", "clis_exp2_tanh", "online_exp2_tanh",
-            "tokamax_mosaic", "tokamax_triton")
+            "online_heads1", "online_heads2", "online_heads4", "online_heads8", "tokamax_mosaic", "tokamax_triton")
 
 
 def feature_kwargs(window, softcap) -> dict:
@@ -174,6 +174,12 @@ def _kv64(q, k, v, seg, causal, stabilizer):
   """The Mosaic GPU forward at 64-key blocks (the default at head dims padded to 256; MLA's 192 takes 128)."""
   return attention(q, k, v, seg, causal=causal, stabilizer=stabilizer, implementation="pallas_mgpu",
                    block_sizes=pallas_mgpu.BlockSizes(block_kv=64))
+
+
+def _heads_per_cta(q, k, v, seg, causal, stabilizer, heads, **kw):
+  """The Mosaic GPU forward with each CTA walking `heads` query heads of a GQA group (BlockSizes(heads_per_cta))."""
+  return attention(q, k, v, seg, causal=causal, stabilizer=stabilizer, implementation="pallas_mgpu",
+                   block_sizes=pallas_mgpu.BlockSizes(heads_per_cta=heads), **kw)
 
 
 def _rounded_lse(q, k, v, seg, causal, stabilizer):
@@ -230,6 +236,8 @@ def implementations(names, platform, quick):
       table[f"{stab}_exp2_tanh"] = functools.partial(_exp2_tanh, stabilizer=stab)
       table[f"{stab}_kv64"] = functools.partial(_kv64, stabilizer=stab)
       table[f"{stab}_rounded_lse"] = functools.partial(_rounded_lse, stabilizer=stab)
+    for heads in (1, 2, 4, 8):
+      table[f"online_heads{heads}"] = functools.partial(_heads_per_cta, stabilizer="online", heads=heads)
     table["tokamax_k_start"] = _tokamax_k_start
   fns, notes = {}, []
   for name in names:

@@ -123,6 +123,44 @@ def test_window_and_soft_cap_lower_for_the_gpu(causal, seq, d, packed, kw, backw
   assert text.count("custom_call @mosaic_gpu") == (3 if two_kernels else 2) and "clis_bwd" not in text
 
 
+# causal, seq, head dim, packed, attention keywords, heads per CTA (GQA 8/2: up to 4)
+HEADS_PER_CTA_CASES = [
+    (True, 256, 64, False, dict(local_window_size=128), 4),
+    (True, 200, 128, True, {}, 2),
+    (False, 256, 64, True, dict(local_window_size=(40, 70), logits_soft_cap=20.0), 4),
+    (True, 256, 128, True, dict(local_window_size=64), 2),
+]
+
+
+@pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
+@pytest.mark.parametrize("causal,seq,d,packed,kw,heads", HEADS_PER_CTA_CASES)
+def test_heads_per_cta_lowers_for_the_gpu(causal, seq, d, packed, kw, heads):
+  """BlockSizes(heads_per_cta=n): the forward's CTA walks n heads of a GQA group (window band, causal with document
+  ranges, bidirectional packed with a cap) and lowers for an H200 as one kernel."""
+  q = jax.ShapeDtypeStruct((1, seq, 8, d), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, seq, 2, d), jnp.bfloat16)
+  seg = jax.ShapeDtypeStruct((1, seq), jnp.int32) if packed else None
+  fwd = lambda q, k, v, seg: attention(q, k, v, seg, causal=causal, implementation="pallas_mgpu", platform=HOPPER,
+                                       stabilizer="online", block_sizes=pallas_mgpu.BlockSizes(heads_per_cta=heads),
+                                       **kw)
+  assert lower_for_h200(fwd, q, k, k, seg).count("custom_call @mosaic_gpu") == 1
+
+
+@pytest.mark.parametrize("heads,kw,message", [
+    (3, dict(stabilizer="online"), "must divide the query heads per kv head"),
+    (2, dict(stabilizer="clis"), "runs the online loop only"),
+    (0, dict(stabilizer="online"), "must be at least 1"),
+])
+def test_heads_per_cta_gives_clear_errors(heads, kw, message):
+  """heads_per_cta must divide the GQA group and runs the online loop only; each refusal names what to do."""
+  q = jax.ShapeDtypeStruct((1, 256, 8, 64), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match=message):
+    fwd = lambda q, k, v: attention(q, k, v, causal=True, implementation="pallas_mgpu", platform=HOPPER,
+                                    block_sizes=pallas_mgpu.BlockSizes(heads_per_cta=heads), **kw)
+    jax.eval_shape(fwd, q, k, k)
+
+
 @pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
 @pytest.mark.parametrize("packed", [False, True])
 def test_triton_backward_lowers_for_the_gpu(packed):
@@ -739,6 +777,26 @@ def test_document_ranges_change_nothing_on_gpu(stabilizer, d, mean_len):
   want = ref.attention(q, k, v, do, seg, causal=True)
   for got, full, exact in zip(results[True, True], results[False, True], want):
     assert ref.rel_err(got, exact) <= CLIS_VS_ONLINE * max(ref.rel_err(full, exact), 1e-3)
+
+
+@needs_gpu
+@pytest.mark.parametrize("causal,seq,d,packed,kw,heads", HEADS_PER_CTA_CASES)
+def test_heads_per_cta_changes_nothing_on_gpu(causal, seq, d, packed, kw, heads):
+  """A CTA walking several heads of a GQA group runs each head's loop as its own CTA did: o and lse bit-identical to
+  heads_per_cta=1, and o against float64 (seq scaled up so the stream wraps over several slots per head)."""
+  seq, batch = seq * 8, 1
+  q, k, v, do = random_inputs(seq + d, batch, seq, 8, 2, d, jnp.bfloat16)
+  if "logits_soft_cap" in kw:
+    q, k = q * 4.0, k * 4.0
+  seg = packed_segments(seq, batch, seq) if packed else None
+  got = {}
+  for n in (1, heads):
+    got[n] = attention(q, k, v, seg, causal=causal, implementation="pallas_mgpu", stabilizer="online",
+                       block_sizes=pallas_mgpu.BlockSizes(heads_per_cta=n), **kw)
+  np.testing.assert_array_equal(np.asarray(got[heads].astype(jnp.float32)), np.asarray(got[1].astype(jnp.float32)))
+  window = masks.as_window(kw.get("local_window_size"), causal=causal)
+  want = ref.attention(q, k, v, do, seg, causal=causal, window=window, softcap=kw.get("logits_soft_cap"))[0]
+  assert ref.rel_err(got[heads], want) < TOLERANCE[jnp.bfloat16][0]
 
 
 @needs_gpu

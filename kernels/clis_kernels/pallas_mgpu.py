@@ -92,6 +92,10 @@ class BlockSizes:
   soft_cap_tanh: how logits_soft_cap's tanh is computed (`cap_tanh`): "approx" (tanh.approx.f32, one instruction)
   or "exp2" (from ex2 and rsqrt, float32-accurate); the backward's BlockSizes has the same field, and both should
   agree.
+  heads_per_cta: query heads of one GQA group a CTA walks one after another (the online loop only): the memory
+  warpgroup streams the same K/V blocks for each, and each head's q tile is loaded while the one before runs. For
+  calls with few KV blocks per CTA (narrow windows, short rows), where a CTA's fixed costs (launch, first loads,
+  the epilogue's store) are not hidden behind its loop.
   The backward is the registry's choice (plan.py): "pallas_mgpu" takes pallas_mgpu_vjp's,
   "pallas_mgpu_triton_bwd" pallas_gpu_vjp's, each with its own BlockSizes.
   """
@@ -106,8 +110,11 @@ class BlockSizes:
   sum_on_tensor_cores: bool = False
   document_ranges: bool = True
   soft_cap_tanh: str = "approx"
+  heads_per_cta: int = 1
 
   def __post_init__(self):
+    if self.heads_per_cta < 1:
+      raise ValueError(f"{self.heads_per_cta=} must be at least 1")
     if self.soft_cap_tanh not in TANHS:
       raise ValueError(f"{self.soft_cap_tanh=} must be one of {TANHS} (cap_tanh says what each costs)")
     if self.sum_on_tensor_cores and (not self.exact_sum or self.overlap):
@@ -214,6 +221,7 @@ class _Config:
   window: tuple[int, int] | None = None  # local (left, right): the CTA visits its band's blocks only
   cap2: float | None = None  # base-2 soft cap c·log2 e of c·tanh(s / c), or None
   tanh: str = "approx"  # BlockSizes.soft_cap_tanh
+  heads: int = 1  # BlockSizes.heads_per_cta
 
 
 class _Refs(NamedTuple):
@@ -308,13 +316,15 @@ class _Rows(NamedTuple):
   rowmax: Any = None  # track: the row-maximum output (_Refs.rowmax)
   lead: Any = 0  # window: steps [0, lead) are masked too (the band's lower edge); [lead, full) are whole
   o_smem: Any = None  # where the epilogue stages o: q_smem, or _Scratch.o's buffer
+  base: Any = 0  # heads_per_cta: the stream's step of this head's first block (loop steps count from it)
 
 
 def _scratch(c: _Config, dtype, head_dim: int, value_head_dim: int):
   """The run_scoped allocations, grouped as _Scratch, _KeysScratch, _SegScratch, _ListScratch (each but the
   first None where the call has none)."""
   wgs, bq, bkv = COMPUTE_WARPGROUPS, c.block_q, c.block_kv
-  qo = plgpu.SMEM((wgs, bq, head_dim), dtype, transforms=swizzled())
+  qbufs = wgs * _q_parities(c)
+  qo = plgpu.SMEM((qbufs, bq, head_dim), dtype, transforms=swizzled())
   if value_head_dim != head_dim:  # o [bq, Dv] of warpgroup w lies in q's bytes of w: it is written once q is read
     qo = plgpu.RefUnion(qo, plgpu.SMEM((wgs, bq * head_dim // value_head_dim, value_head_dim), dtype,
                                        transforms=swizzled()))
@@ -324,7 +334,7 @@ def _scratch(c: _Config, dtype, head_dim: int, value_head_dim: int):
       plgpu.SMEM((c.slots, bkv, value_head_dim), dtype, transforms=swizzled()),
       plgpu.SMEM((wgs, bq), jnp.float32),
       plgpu.Barrier(num_barriers=c.slots), plgpu.Barrier(num_barriers=c.slots),
-      plgpu.Barrier(num_barriers=wgs), plgpu.Barrier(num_barriers=wgs),
+      plgpu.Barrier(num_barriers=qbufs), plgpu.Barrier(num_barriers=wgs),
       plgpu.Barrier(num_arrivals=wgs, num_barriers=c.slots), plgpu.Barrier(num_arrivals=wgs, num_barriers=c.slots),
       plgpu.Barrier(num_arrivals=wgs),
       *((plgpu.SMEM((bkv, SUM_COLUMNS), dtype, transforms=(plgpu.TilingTransform((8, SUM_COLUMNS)),
@@ -349,6 +359,12 @@ def _scratch(c: _Config, dtype, head_dim: int, value_head_dim: int):
     lists = _ListScratch(plgpu.SMEM(_list_shape(c.list_width), jnp.int32), plgpu.Barrier(num_barriers=1),
                          plgpu.SMEM((wgs, 2, bq), jnp.float32))
   return common, keys, segs, lists
+
+
+def _q_parities(c: _Config) -> int:
+  """q tiles in flight per compute warpgroup: two when the CTA walks several heads (the next one loads while
+  this one runs), else one."""
+  return 2 if c.heads > 1 else 1
 
 
 def _kernel(q_ref, k_ref, v_ref, *refs, config: _Config):
@@ -378,6 +394,8 @@ def _kernel(q_ref, k_ref, v_ref, *refs, config: _Config):
             ones_ref, visit_ref, rowmax_ref, first_ref)
   dtype, head_dim = q_ref.dtype, q_ref.shape[-1]
   batch, head = lax.axis_index("batch"), lax.axis_index("heads")
+  if c.heads > 1:  # the CTA's first head; it walks heads [head, head + c.heads) of one GQA group
+    head = head * c.heads
   cta_row0 = cta_first_row(q_ref.shape[1], c.block_q, causal=c.causal)
   if c.window is not None:  # the band's blocks [first, end)
     band_first, band_end = _window_range(c, g, cta_row0, COMPUTE_WARPGROUPS * c.block_q)
@@ -414,15 +432,25 @@ def _kernel(q_ref, k_ref, v_ref, *refs, config: _Config):
     @pl.when(wg < COMPUTE_WARPGROUPS)
     def _compute():
       plgpu.set_max_registers(232, action="increase")
-      _compute_warpgroup(c, g, s, ks, ss, ls, wg=wg, batch=batch, head=head, kv_head=kv_head, cta_row0=cta_row0,
-                         cta_blocks=blocks, turns=turns, block_of=block_of, first_block=first)
+      walk = functools.partial(_compute_warpgroup, c, g, s, ks, ss, ls, wg=wg, batch=batch, kv_head=kv_head,
+                               cta_row0=cta_row0, cta_blocks=blocks, turns=turns, block_of=block_of,
+                               first_block=first)
+      if c.heads == 1:
+        walk(head=head)
+      else:  # head h0 + j's steps follow head h0 + j − 1's in the memory warpgroup's stream
+        _load_q(c, g, s, wg=wg, batch=batch, head=head, row0=cta_row0 + wg * c.block_q, parity=0)
+        int32_loop(0, c.heads, lambda j, _: walk(head=head + j, nth=j), None)
 
     @pl.when(wg == COMPUTE_WARPGROUPS)
     def _memory():
       plgpu.set_max_registers(40, action="decrease")
+      num_blocks, block_in_stream = blocks, block_of
+      if c.heads > 1:  # each head streams the same blocks
+        per_head = jnp.maximum(blocks, 1)
+        num_blocks, block_in_stream = c.heads * blocks, lambda i: block_of(lax.rem(i, per_head))
       stream_kv(k_ref, v_ref, kseg_ref, s.k, s.v, None if ss is None else ss.kseg, s.k_ready, s.v_ready,
                 None if ss is None else ss.kseg_ready, batch=batch, kv_head=kv_head, block_kv=c.block_kv,
-                num_blocks=blocks, slots=c.slots, free=(s.k_free, s.v_free), block_of=block_of)
+                num_blocks=num_blocks, slots=c.slots, free=(s.k_free, s.v_free), block_of=block_in_stream)
 
   pl.run_scoped(body, *_scratch(c, dtype, head_dim, v_ref.shape[-1]), collective_axes="wg")
 
@@ -483,11 +511,24 @@ def _one_warpgroup_at_a_time(s: _Scratch, r: _Rows, decide):
   return result
 
 
+def _load_q(c: _Config, g: _Refs, s: _Scratch, *, wg, batch, head, row0, parity):
+  """TMA of this warpgroup's q tile of `head` into its buffer `parity`."""
+  buf = parity * COMPUTE_WARPGROUPS + wg
+  plgpu.copy_gmem_to_smem(g.q.at[batch, pl.ds(row0, c.block_q), head], s.qo.at[buf], s.q_ready.at[buf])
+
+
 def _compute_warpgroup(c: _Config, g: _Refs, s: _Scratch, ks, ss, ls, *, wg, batch, head, kv_head, cta_row0,
-                       cta_blocks, turns, block_of, first_block=0):
-  """Prologue (loads, then the certificate or the XLA one's M), the KV loop it allows, the epilogue."""
-  q_smem, rows = s.qo.at[wg], s.rows.at[wg]
+                       cta_blocks, turns, block_of, first_block=0, nth=None):
+  """Prologue (loads, then the certificate or the XLA one's M), the KV loop it allows, the epilogue.
+  nth: with heads_per_cta, which of the CTA's heads this is (its q tile was loaded by the one before, which loads
+  the next's now)."""
   row0 = cta_row0 + wg * c.block_q
+  q_buf, base = wg, 0
+  if nth is not None:
+    q_buf, base = lax.rem(nth, jnp.int32(2)) * COMPUTE_WARPGROUPS + wg, nth * cta_blocks
+    pl.when(nth + 1 < c.heads)(lambda: _load_q(c, g, s, wg=wg, batch=batch, head=head + 1, row0=row0,
+                                                parity=lax.rem(nth + 1, jnp.int32(2))))
+  q_smem, rows = s.qo.at[q_buf], s.rows.at[wg]
   lead = 0  # steps [0, lead) take the window's mask (its band's first blocks)
   if c.window is not None:  # both warpgroups walk the CTA's band (no drain), the mask at its edges only
     whole = masks.window_full_blocks(row0, rows=c.block_q, window=c.window, block=c.block_kv, kv_len=c.kv_len,
@@ -500,7 +541,8 @@ def _compute_warpgroup(c: _Config, g: _Refs, s: _Scratch, ks, ss, ls, *, wg, bat
     full, total = _kv_range(c, g, row0, c.block_q)
   if c.doc_ranges:  # steps count from the CTA's first block (launch clamps it to at most full)
     full, total = full - first_block, total - first_block
-  plgpu.copy_gmem_to_smem(g.q.at[batch, pl.ds(row0, c.block_q), head], q_smem, s.q_ready.at[wg])
+  if nth is None:
+    plgpu.copy_gmem_to_smem(g.q.at[batch, pl.ds(row0, c.block_q), head], q_smem, s.q_ready.at[wg])
   if c.mode == "cert":
     plgpu.copy_gmem_to_smem(g.m.at[batch, head, pl.ds(row0, c.block_q)], rows, s.m_ready.at[wg])
   if c.mode == "keys":
@@ -512,13 +554,16 @@ def _compute_warpgroup(c: _Config, g: _Refs, s: _Scratch, ks, ss, ls, *, wg, bat
       plgpu.copy_gmem_to_smem(g.k.at[batch, pl.ds(row0, c.block_q), kv_head], ks.kdiag.at[wg], ks.kdiag_ready.at[wg])
   if c.has_segments:
     plgpu.copy_gmem_to_smem(g.qseg.at[batch, pl.ds(row0, c.block_q)], ss.qseg.at[wg], ss.qseg_ready.at[wg])
-  plgpu.barrier_wait(s.q_ready.at[wg])
+  plgpu.barrier_wait(s.q_ready.at[q_buf])
   q_ids = None
   if c.has_segments:
     plgpu.barrier_wait(ss.qseg_ready.at[wg])
     q_ids = plgpu.load(ss.qseg.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+  if nth is not None:  # loop steps count in the memory warpgroup's stream, which holds every head's blocks
+    lead, full, total, cta_blocks = lead + base, full + base, total + base, cta_blocks + base
+    block_of = lambda i, block_of=block_of: block_of(i - base)
   r = _Rows(wg, batch, head, kv_head, row0, full, total, cta_blocks, q_smem, rows, q_ids, g.q.dtype, *turns,
-            block_of, ls, g.rowmax, lead, q_smem if s.o is None else s.o.at[wg, pl.ds(0, c.block_q)])
+            block_of, ls, g.rowmax, lead, q_smem if s.o is None else s.o.at[wg, pl.ds(0, c.block_q)], base)
 
   if c.mode in ("cert", "keys"):
     if c.mode == "cert":
@@ -620,7 +665,7 @@ def _attend(c: _Config, g: _Refs, s: _Scratch, ss, r: _Rows, fixed: bool, m_fixe
   lse0 = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)) if c.lse_sum else None
   carry = (plgpu.layout_cast(jnp.zeros((bq, value_head_dim), jnp.float32), plgpu.Layout.WGMMA),
            *((l0, lse0) if fixed else (m0, l0)))
-  plgpu.barrier_wait(s.k_ready.at[0])
+  plgpu.barrier_wait(s.k_ready.at[0 if isinstance(r.base, int) else lax.rem(r.base, jnp.int32(c.slots))])
   pl.when(r.wg == 1)(r.turn)  # warpgroup 1 starts half a step behind warpgroup 0
   masked_steps = c.causal or c.kv_len is not None or c.window is not None
   if fixed and c.overlap:
@@ -639,7 +684,7 @@ def _attend(c: _Config, g: _Refs, s: _Scratch, ss, r: _Rows, fixed: bool, m_fixe
   else:
     step = functools.partial(_step, c, s, ss, r, fixed, m0)
     if c.window is not None:
-      carry = int32_loop(0, r.lead, functools.partial(step, masked=True), carry)
+      carry = int32_loop(r.base, r.lead, functools.partial(step, masked=True), carry)
     carry = int32_loop(r.lead, r.full, functools.partial(step, masked=False), carry)
     if masked_steps:
       carry = int32_loop(r.full, r.total, functools.partial(step, masked=True), carry)
@@ -877,6 +922,18 @@ def first_kv_blocks(segment_ids, *, cta_rows: int, block_kv: int):
   return jnp.broadcast_to(first[..., None], first.shape + (RANGE_WIDTH,))
 
 
+def _check_heads_per_cta(c: _Config, q, v):
+  """heads_per_cta walks heads of one GQA group with the online loop, q and v of one head dim."""
+  if c.group % c.heads:
+    raise ValueError(f"heads_per_cta={c.heads} must divide the query heads per kv head ({c.group}): a CTA walks heads "
+                     "that share one kv head")
+  if c.mode != "online" or c.listed:
+    raise ValueError(f"heads_per_cta={c.heads} runs the online loop only (got mode {c.mode!r}"
+                     f"{', a kept-tile list' if c.listed else ''}): use stabilizer='online' or heads_per_cta=1")
+  if q.shape[-1] != v.shape[-1]:
+    raise ValueError(f"heads_per_cta={c.heads} needs q and v of one head dim (got {q.shape[-1]} and {v.shape[-1]})")
+
+
 def _launch(q, k, v, segment_ids, stab, *, mode: Mode, causal, scale, kv_len, block_sizes: BlockSizes, interpret,
             visit=None, track: bool = False, window=None, softcap=None):
   keys, cert = stabilizer_inputs(stab, mode)
@@ -897,7 +954,9 @@ def _launch(q, k, v, segment_ids, stab, *, mode: Mode, causal, scale, kv_len, bl
       track=track and visit is not None, list_width=0 if visit is None else visit.shape[-1],
       doc_ranges=bs.document_ranges and causal and segment_ids is not None and visit is None and window is None,
       window=None if window is None else tuple(int(w) for w in window),
-      cap2=None if softcap is None else float(softcap) * LOG2E, tanh=bs.soft_cap_tanh)
+      cap2=None if softcap is None else float(softcap) * LOG2E, tanh=bs.soft_cap_tanh, heads=bs.heads_per_cta)
+  if config.heads > 1:
+    _check_heads_per_cta(config, q, v)
   kernel = functools.partial(_kernel, config=config)
   args = [q, k, v]
   if segment_ids is not None:  # key id 0 (padding) becomes −1: it then matches no query, padding included
@@ -926,7 +985,7 @@ def _launch(q, k, v, segment_ids, stab, *, mode: Mode, causal, scale, kv_len, bl
   outs = plgpu.kernel(
       kernel,
       out_type=tuple(out_type),
-      grid=(num_heads, seq // (COMPUTE_WARPGROUPS * bs.block_q), batch),
+      grid=(num_heads // config.heads, seq // (COMPUTE_WARPGROUPS * bs.block_q), batch),
       grid_names=("heads", "q_tiles", "batch"),
       num_threads=COMPUTE_WARPGROUPS + 1,
       thread_name="wg",

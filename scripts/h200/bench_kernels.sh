@@ -15,6 +15,9 @@
 #                      (pallas_mgpu_vjp_wide) against the Triton one and cuDNN
 #   mla_batch          MLA's backward parts at 8k with B 1 and B 4, in one call (the dK/dV kernel's rate by batch)
 #   delta_pass         Δ = rowsum(dO∘O) alone: the kernels' einsum against multiply-and-reduce
+#   heads_per_cta      the forward with CTAs walking 1 / 2 / 4 / 8 heads of a GQA group: GPU tests, then gpt-oss's
+#                      shape (window 128, GQA 64/8 D 64) fwd and fwd+bwd, windows 1024 and 4096 at D 128 fwd, 8k and
+#                      32k; causal 2k rows at D 64 (GQA 32/8) fwd
 #   certify_rule FAMILY  the certified forward against the online loop where the plan's Hopper rule decides: D 64
 #                      (GQA 32/8) 8k-32k causal and bidirectional, and a 4096-key window at D 128, causal 32k
 #   context_parallel [N]  context-parallel attention over N GPUs (default 1: the machinery's cost on one) against
@@ -66,6 +69,20 @@ case "$1" in
     TAIL=20 step d256 420 python3 scripts/bench_attention.py --suite llm --llm-heads 16 8 256 --seq-lens 8192 32768 \
         --tokens 32768 --causal yes --packed no --inputs sinks_many --passes bwd fwd_bwd \
         --impls online online_mgpu_triton_bwd cudnn --repeats 7 --inner 3 --out "$OUT/d256.json" ;;
+  heads_per_cta)
+    TAIL=8 step heads_tests 150 timeout -s INT 140 $GPU_TEST tests/test_pallas_mgpu.py -k "heads_per_cta" --durations 3
+    TAIL=24 step heads_w128 170 python3 scripts/bench_attention.py --suite llm --seq-lens 8192 32768 --tokens 32768 \
+        --llm-heads 64 8 64 --window 128 --causal yes --packed no --inputs sinks_many --passes fwd fwd_bwd \
+        --impls online_heads1 online_heads2 online_heads4 online_heads8 cudnn tokamax_mosaic --repeats 5 --inner 3 \
+        --out "$OUT/heads_w128.json"
+    for w in 1024 4096; do
+      TAIL=12 step "heads_w$w" 120 python3 scripts/bench_attention.py --suite llm --seq-lens 8192 32768 \
+          --tokens 32768 --window "$w" --causal yes --packed no --inputs sinks_many --passes fwd \
+          --impls online_heads1 online_heads2 online_heads4 cudnn --repeats 5 --inner 3 --out "$OUT/heads_w$w.json"
+    done
+    TAIL=8 step heads_s2k 90 python3 scripts/bench_attention.py --suite llm --seq-lens 2048 --tokens 16384 \
+        --llm-heads 32 8 64 --causal yes --packed no --inputs sinks_many --passes fwd \
+        --impls online_heads1 online_heads2 online_heads4 cudnn --repeats 5 --inner 3 --out "$OUT/heads_s2k.json" ;;
   certify_rule)
     TAIL=14 step "certify_d64_$2" 240 python3 scripts/bench_attention.py --suite llm --seq-lens 8192 16384 32768 \
         --tokens 32768 --llm-heads 32 8 64 --causal both --packed no --inputs "$2" --passes fwd \
@@ -78,5 +95,5 @@ case "$1" in
         --heads 32 8 128 --context "${2:-1}" --family sinks_many --repeats 5 --inner 3 \
         --out "$OUT/context_parallel_${2:-1}.json" ;;
   *) echo "usage: bench_kernels.sh bwd_parts|llm_d128|llm_d64|sweep FAMILY PACKED|bidir FAMILY|diffusion|mla|"\
-"mla_bwd_parts|mla_batch|delta_pass|lse FAMILY|d256|certify_rule FAMILY|context_parallel [N]"; exit 2 ;;
+"mla_bwd_parts|mla_batch|delta_pass|lse FAMILY|d256|heads_per_cta|certify_rule FAMILY|context_parallel [N]"; exit 2 ;;
 esac
