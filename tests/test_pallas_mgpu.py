@@ -146,6 +146,18 @@ def test_heads_per_cta_lowers_for_the_gpu(causal, seq, d, packed, kw, heads):
   assert lower_for_h200(fwd, q, k, k, seg).count("custom_call @mosaic_gpu") == 1
 
 
+def test_auto_heads_per_cta_walks_the_group_for_narrow_online_windows():
+  """The default (BlockSizes(heads_per_cta=None)): the largest divisor of the group up to 8 for online calls with a
+  window at most 1024 keys wide; one head per CTA for wider windows, no window, certified loops, kept-tile lists,
+  MLA's split head dims and head dims above 128."""
+  auto = lambda **kw: pallas_mgpu.auto_heads_per_cta(**{**dict(mode="online", group=8, window=(127, 0), listed=False,
+                                                                split_dims=False, head_dim=64), **kw})
+  assert auto() == 8 and auto(group=4) == 4 and auto(group=6) == 6 and auto(group=16) == 8 and auto(group=1) == 1
+  assert auto(window=(511, 512)) == 8 and auto(window=(1023, 1)) == 1 and auto(window=(4095, 0)) == 1
+  assert auto(window=None) == 1 and auto(mode="keys") == 1 and auto(mode="cert") == 1
+  assert auto(listed=True) == 1 and auto(split_dims=True) == 1 and auto(head_dim=128) == 8 and auto(head_dim=256) == 1
+
+
 @pytest.mark.parametrize("heads,kw,message", [
     (3, dict(stabilizer="online"), "must divide the query heads per kv head"),
     (2, dict(stabilizer="clis"), "runs the online loop only"),

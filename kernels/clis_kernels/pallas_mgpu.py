@@ -94,8 +94,8 @@ class BlockSizes:
   agree.
   heads_per_cta: query heads of one GQA group a CTA walks one after another (the online loop only): the memory
   warpgroup streams the same K/V blocks for each, and each head's q tile is loaded while the one before runs. For
-  calls with few KV blocks per CTA (narrow windows, short rows), where a CTA's fixed costs (launch, first loads,
-  the epilogue's store) are not hidden behind its loop.
+  calls with few KV blocks per CTA, where a CTA's fixed costs (launch, first loads, the epilogue's store) are not
+  hidden behind its loop. None (default): `auto_heads_per_cta`.
   The backward is the registry's choice (plan.py): "pallas_mgpu" takes pallas_mgpu_vjp's,
   "pallas_mgpu_triton_bwd" pallas_gpu_vjp's, each with its own BlockSizes.
   """
@@ -110,10 +110,10 @@ class BlockSizes:
   sum_on_tensor_cores: bool = False
   document_ranges: bool = True
   soft_cap_tanh: str = "approx"
-  heads_per_cta: int = 1
+  heads_per_cta: int | None = None
 
   def __post_init__(self):
-    if self.heads_per_cta < 1:
+    if self.heads_per_cta is not None and self.heads_per_cta < 1:
       raise ValueError(f"{self.heads_per_cta=} must be at least 1")
     if self.soft_cap_tanh not in TANHS:
       raise ValueError(f"{self.soft_cap_tanh=} must be one of {TANHS} (cap_tanh says what each costs)")
@@ -922,6 +922,23 @@ def first_kv_blocks(segment_ids, *, cta_rows: int, block_kv: int):
   return jnp.broadcast_to(first[..., None], first.shape + (RANGE_WIDTH,))
 
 
+HEADS_PER_CTA_WINDOW = 1024  # auto_heads_per_cta: windows at most this many keys wide (left + right + 1)
+HEADS_PER_CTA_MAX = 8
+HEADS_PER_CTA_MAX_HEAD_DIM = 128  # two q tiles per warpgroup: 2 · 2 · 64 · 256 · 2 bytes at 256 do not fit beside K, V
+
+
+def auto_heads_per_cta(*, mode: str, group: int, window, listed: bool, split_dims: bool, head_dim: int) -> int:
+  """The default heads_per_cta: the largest divisor of the GQA group up to 8 for online calls with a window at most
+  HEADS_PER_CTA_WINDOW keys wide, else 1. H200, 2026-12-03 (BENCHMARKS.md §1): window 128 at GQA 64/8 D 64, forward
+  1.32× / 1.38× one head per CTA at 8 heads (8k / 32k rows); window 1024 at GQA 32/8 D 128, 1.07× / 1.03× at 4;
+  window 4096 and plain causal 2k rows: within ±4%, so they keep one. Head dims above 128 keep one (a second q
+  tile overflows shared memory)."""
+  if (mode != "online" or listed or split_dims or head_dim > HEADS_PER_CTA_MAX_HEAD_DIM or window is None
+      or sum(window) + 1 > HEADS_PER_CTA_WINDOW):
+    return 1
+  return max(n for n in range(1, HEADS_PER_CTA_MAX + 1) if group % n == 0)
+
+
 def _check_heads_per_cta(c: _Config, q, v):
   """heads_per_cta walks heads of one GQA group with the online loop, q and v of one head dim."""
   if c.group % c.heads:
@@ -930,8 +947,9 @@ def _check_heads_per_cta(c: _Config, q, v):
   if c.mode != "online" or c.listed:
     raise ValueError(f"heads_per_cta={c.heads} runs the online loop only (got mode {c.mode!r}"
                      f"{', a kept-tile list' if c.listed else ''}): use stabilizer='online' or heads_per_cta=1")
-  if q.shape[-1] != v.shape[-1]:
-    raise ValueError(f"heads_per_cta={c.heads} needs q and v of one head dim (got {q.shape[-1]} and {v.shape[-1]})")
+  if q.shape[-1] != v.shape[-1] or q.shape[-1] > HEADS_PER_CTA_MAX_HEAD_DIM:
+    raise ValueError(f"heads_per_cta={c.heads} needs q and v of one head dim, at most {HEADS_PER_CTA_MAX_HEAD_DIM} "
+                     f"(got {q.shape[-1]} and {v.shape[-1]}): use heads_per_cta=1")
 
 
 def _launch(q, k, v, segment_ids, stab, *, mode: Mode, causal, scale, kv_len, block_sizes: BlockSizes, interpret,
@@ -954,7 +972,12 @@ def _launch(q, k, v, segment_ids, stab, *, mode: Mode, causal, scale, kv_len, bl
       track=track and visit is not None, list_width=0 if visit is None else visit.shape[-1],
       doc_ranges=bs.document_ranges and causal and segment_ids is not None and visit is None and window is None,
       window=None if window is None else tuple(int(w) for w in window),
-      cap2=None if softcap is None else float(softcap) * LOG2E, tanh=bs.soft_cap_tanh, heads=bs.heads_per_cta)
+      cap2=None if softcap is None else float(softcap) * LOG2E, tanh=bs.soft_cap_tanh)
+  heads = bs.heads_per_cta
+  if heads is None:
+    heads = auto_heads_per_cta(mode=mode, group=config.group, window=config.window, listed=config.listed,
+                               split_dims=q.shape[-1] != v.shape[-1], head_dim=q.shape[-1])
+  config = dataclasses.replace(config, heads=heads)
   if config.heads > 1:
     _check_heads_per_cta(config, q, v)
   kernel = functools.partial(_kernel, config=config)
