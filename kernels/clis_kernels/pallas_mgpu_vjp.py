@@ -282,10 +282,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
            delta_ready, free, *extra_scratch):
     wg = lax.axis_index("wg")
     seg_scratch, extra_scratch = extra_scratch[:4 * has_segments], extra_scratch[4 * has_segments:]
-    n_dq = (3 if split_dq else 2) if fused_dq else 0
+    n_dq = (4 if split_dq else 2) if fused_dq else 0
     dq_scratch, ranges = extra_scratch[:n_dq], extra_scratch[n_dq:]
     kseg_smem, qseg_smem, kseg_ready, qseg_ready = seg_scratch if has_segments else (None,) * 4
-    ds_smem, dq_smem, ds_ready = (tuple(dq_scratch) + (None,) * 3)[:3]
+    ds_smem, dq_smem, ds_ready, keys_read = (tuple(dq_scratch) + (None,) * 4)[:4]
     end, per_head = cta_end, all_q_blocks  # one past the last q block the CTA visits; blocks per head
     if doc_ranges:
       end = read_range_entry(range_ref.at[batch, lax.axis_index("kv_tiles")], *ranges)
@@ -378,6 +378,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
       zeros = lambda width: plgpu.layout_cast(jnp.zeros((ROWS, width), jnp.float32), plgpu.Layout.WGMMA)
       dk0 = zeros(head_dim)
       dk, dv = int32_loop(0, group, head_loop, (dk0, dk0 if value_head_dim == head_dim else zeros(value_head_dim)))
+      if split_dq:  # the other warpgroup's last dQ wgmma reads this one's K: dK may take its bytes only after
+        plgpu.barrier_arrive(keys_read.at[0])
+        plgpu.barrier_wait(keys_read.at[0])
       k_smem.at[wg][...] = (dk * scale).astype(dtype)
       v_smem.at[wg][...] = dv.astype(dtype)
       plgpu.commit_smem()
@@ -503,7 +506,8 @@ def _dkv_scratch(dtype, head_dim: int, value_head_dim: int, slots: int, has_segm
       *(() if not split_dq else (  # both warpgroups' dSᵀ by step parity; each one's half of dQ's part
           plgpu.SMEM((2, COMPUTE_WARPGROUPS, ROWS, ROWS), dtype, transforms=swizzled()),
           plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS, head_dim // 2), jnp.float32),
-          plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=2))),  # both dSᵀ of a parity written
+          plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=2),  # both dSᵀ of a parity written
+          plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=1))),  # both done reading K (dQ's wgmmas)
   )
 
 
