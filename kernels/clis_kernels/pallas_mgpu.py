@@ -2,7 +2,8 @@
 
 One CTA per (q head, q tile, batch) runs three warpgroups: two compute warpgroups, each owning
 block_q query rows, and one memory warpgroup that streams K and V blocks into `slots` shared-
-memory buffers with TMA. The two compute warpgroups take turns on the tensor cores (a shared
+memory buffers with TMA (with BlockSizes.heads_per_cta > 1 a CTA walks that many heads of one GQA group in turn,
+its stream holding each head's blocks). The two compute warpgroups take turns on the tensor cores (a shared
 "schedule" barrier): while one runs its Q·Kᵀ or P·V wgmma, the other does its softmax.
 
 Each compute warpgroup certifies its block_q rows in its prologue from the q tile it has loaded
