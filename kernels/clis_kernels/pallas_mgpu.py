@@ -439,7 +439,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, config: _Config):
       if c.heads == 1:
         walk(head=head)
       else:  # head h0 + j's steps follow head h0 + j − 1's in the memory warpgroup's stream
-        _load_q(c, g, s, wg=wg, batch=batch, head=head, row0=cta_row0 + wg * c.block_q, parity=0)
+        _load_q(c, g, s, buf=wg, batch=batch, head=head, row0=cta_row0 + wg * c.block_q)
         int32_loop(0, c.heads, lambda j, _: walk(head=head + j, nth=j), None)
 
     @pl.when(wg == COMPUTE_WARPGROUPS)
@@ -512,10 +512,15 @@ def _one_warpgroup_at_a_time(s: _Scratch, r: _Rows, decide):
   return result
 
 
-def _load_q(c: _Config, g: _Refs, s: _Scratch, *, wg, batch, head, row0, parity):
-  """TMA of this warpgroup's q tile of `head` into its buffer `parity`."""
-  buf = parity * COMPUTE_WARPGROUPS + wg
+def _load_q(c: _Config, g: _Refs, s: _Scratch, *, buf, batch, head, row0):
+  """TMA of the q tile of `head` at rows [row0, row0 + block_q) into q buffer `buf` (its compute warpgroup's, or
+  with heads_per_cta `_q_buffer`'s)."""
   plgpu.copy_gmem_to_smem(g.q.at[batch, pl.ds(row0, c.block_q), head], s.qo.at[buf], s.q_ready.at[buf])
+
+
+def _q_buffer(nth, wg):
+  """The q buffer of a compute warpgroup's nth head when the CTA walks several (two per warpgroup, by parity)."""
+  return lax.rem(nth, jnp.int32(2)) * COMPUTE_WARPGROUPS + wg
 
 
 def _compute_warpgroup(c: _Config, g: _Refs, s: _Scratch, ks, ss, ls, *, wg, batch, head, kv_head, cta_row0,
@@ -526,9 +531,9 @@ def _compute_warpgroup(c: _Config, g: _Refs, s: _Scratch, ks, ss, ls, *, wg, bat
   row0 = cta_row0 + wg * c.block_q
   q_buf, base = wg, 0
   if nth is not None:
-    q_buf, base = lax.rem(nth, jnp.int32(2)) * COMPUTE_WARPGROUPS + wg, nth * cta_blocks
-    pl.when(nth + 1 < c.heads)(lambda: _load_q(c, g, s, wg=wg, batch=batch, head=head + 1, row0=row0,
-                                                parity=lax.rem(nth + 1, jnp.int32(2))))
+    q_buf, base = _q_buffer(nth, wg), nth * cta_blocks
+    pl.when(nth + 1 < c.heads)(lambda: _load_q(c, g, s, buf=_q_buffer(nth + 1, wg), batch=batch, head=head + 1,
+                                                row0=row0))
   q_smem, rows = s.qo.at[q_buf], s.rows.at[wg]
   lead = 0  # steps [0, lead) take the window's mask (its band's first blocks)
   if c.window is not None:  # both warpgroups walk the CTA's band (no drain), the mask at its edges only
@@ -542,8 +547,8 @@ def _compute_warpgroup(c: _Config, g: _Refs, s: _Scratch, ks, ss, ls, *, wg, bat
     full, total = _kv_range(c, g, row0, c.block_q)
   if c.doc_ranges:  # steps count from the CTA's first block (launch clamps it to at most full)
     full, total = full - first_block, total - first_block
-  if nth is None:
-    plgpu.copy_gmem_to_smem(g.q.at[batch, pl.ds(row0, c.block_q), head], q_smem, s.q_ready.at[wg])
+  if nth is None:  # with heads_per_cta the head before loaded it
+    _load_q(c, g, s, buf=wg, batch=batch, head=head, row0=row0)
   if c.mode == "cert":
     plgpu.copy_gmem_to_smem(g.m.at[batch, head, pl.ds(row0, c.block_q)], rows, s.m_ready.at[wg])
   if c.mode == "keys":
