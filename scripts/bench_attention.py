@@ -1,7 +1,8 @@
 """Kernel-level attention throughput: our `clis` and `online` against cuDNN, dense XLA, tokamax, splash.
 
 `clis` is the API's default call (the plan picks the backend, online below the certifying length,
-and the bound); `clis_radius` / `clis_blocks` force a bound; `clis_mgpu` names the Mosaic GPU backend
+and the bound); `clis_radius` / `clis_blocks` / `clis_cap` (with --softcap: the cap alone bounds every logit)
+force a bound; `clis_mgpu` names the Mosaic GPU backend
 (it certifies at every length). Each certifying variant's certified fraction is recorded.
 
 `clis_prepass` times the pre-pass alone (clis time = pre-pass + kernel): on GPUs the pass over
@@ -28,6 +29,7 @@ Mistral); the implementations in FEATURED take them (cuDNN the window only: with
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 
 import jax
@@ -119,7 +121,7 @@ def _clis_kernel(q, k, v, seg, causal, quick):
 
 
 # What takes --window / --softcap (as jax.nn's local_window_size / logits_soft_cap keywords)
-FEATURED = ("clis", "online", "clis_blocks", "clis_radius", "xla", "cudnn", "clis_triton", "online_triton", "clis_mgpu",
+FEATURED = ("clis", "online", "clis_blocks", "clis_radius", "clis_cap", "clis_cap_tc_sum", "xla", "cudnn", "clis_triton", "online_triton", "clis_mgpu",
             "online_mgpu", "clis_mgpu_triton_bwd", "online_mgpu_triton_bwd", "clis_exp2_tanh", "online_exp2_tanh",
             "online_heads1", "online_heads2", "online_heads4", "online_heads8", "tokamax_mosaic", "tokamax_triton")
 
@@ -130,7 +132,8 @@ def feature_kwargs(window, softcap) -> dict:
           **({} if softcap is None else dict(logits_soft_cap=softcap))}
 
 
-CERTIFYING = {"clis": {}, "clis_blocks": dict(bound="blocks"), "clis_radius": dict(bound="radius"), "clis_mgpu": dict(implementation="pallas_mgpu"),
+CERTIFYING = {"clis": {}, "clis_blocks": dict(bound="blocks"), "clis_radius": dict(bound="radius"),
+              "clis_cap": dict(bound="cap"), "clis_cap_tc_sum": dict(bound="cap"), "clis_mgpu": dict(implementation="pallas_mgpu"),
               "clis_triton": dict(implementation="pallas_gpu")}
 
 
@@ -189,6 +192,14 @@ def _rounded_lse(q, k, v, seg, causal, stabilizer):
                    block_sizes=pallas_mgpu.BlockSizes(exact_lse=False))
 
 
+def _cap_tc_sum(q, k, v, seg, causal, **kw):
+  """The soft cap's bound (bound="cap") on the Mosaic GPU forward with the rounded weights' sum on the tensor cores
+  (BlockSizes(sum_on_tensor_cores=True))."""
+  tiles = pallas_mgpu.default_block_sizes(q.shape[-1], q.shape[1], q.dtype)
+  return attention(q, k, v, seg, causal=causal, bound="cap", implementation="pallas_mgpu",
+                   block_sizes=dataclasses.replace(tiles, sum_on_tensor_cores=True), **kw)
+
+
 def _tokamax_k_start(q, k, v, seg, causal):
   """tokamax's Mosaic GPU flash attention with packed documents as per-row first keys (the trainer's
   attention=tokamax; causal only)."""
@@ -210,6 +221,7 @@ def implementations(names, platform, quick):
                                                                   **kw),
       "clis_radius": lambda q, k, v, seg, causal, **kw: attention(q, k, v, seg, causal=causal, bound="radius", **ours,
                                                                   **kw),
+      "clis_cap": lambda q, k, v, seg, causal, **kw: attention(q, k, v, seg, causal=causal, bound="cap", **ours, **kw),
       "xla": lambda q, k, v, seg, causal, **kw: attention(q, k, v, seg, causal=causal, implementation="xla", **kw),
       "cudnn": lambda q, k, v, seg, causal, **kw: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
                                                                                implementation="cudnn", **kw),
@@ -236,6 +248,7 @@ def implementations(names, platform, quick):
       table[f"{stab}_exp2_tanh"] = functools.partial(_exp2_tanh, stabilizer=stab)
       table[f"{stab}_kv64"] = functools.partial(_kv64, stabilizer=stab)
       table[f"{stab}_rounded_lse"] = functools.partial(_rounded_lse, stabilizer=stab)
+    table["clis_cap_tc_sum"] = _cap_tc_sum
     for heads in (1, 2, 4, 8):
       table[f"online_heads{heads}"] = functools.partial(_heads_per_cta, stabilizer="online", heads=heads)
     table["tokamax_k_start"] = _tokamax_k_start

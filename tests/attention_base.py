@@ -363,6 +363,24 @@ class AttentionTests:
       xla = attention(q, k, v, causal=causal, logits_soft_cap=cap, implementation="xla")
     assert_matches(xla, want[0], self.dtype, rtol=1e-4, atol=1e-5)
 
+  def test_cap_bound_falls_back_where_the_cap_does_not_certify(self):
+    """bound="cap" with 2c past τ (c = 32 against τ = 60 nats) certifies no tile: every tile runs the online loop
+    and the result stays exact against float64; with τ's default for 16-bit inputs (or c = 20) it certifies all.
+    bound="cap" without a soft cap is refused by name."""
+    q, k, v, do = random_inputs(14, 1, 80, 4, 2, 64, self.dtype)
+    q, k = q * 30.0, k * 30.0
+    if self.refusal(self.dtype, window_or_cap=True):
+      return self.assert_refused(q, k, v, causal=True, logits_soft_cap=32.0)
+    want = ref.attention(q, k, v, do, causal=True, softcap=32.0)
+    got = self.value_and_grads(q, k, v, do, None, causal=True, logits_soft_cap=32.0, bound="cap", tau=60.0)
+    assert_close(got, want, self.dtype, "cap bound, failed")
+    _, failed = self.run(q, k, v, causal=True, logits_soft_cap=32.0, bound="cap", tau=60.0, return_stats=True)
+    _, passed = self.run(q, k, v, causal=True, logits_soft_cap=20.0, bound="cap", return_stats=True)
+    assert float(failed.certified_fraction) == 0.0
+    assert float(passed.certified_fraction) == (0.0 if self.dtype == jnp.float16 else 1.0)  # f16: h + T < 0
+    with pytest.raises(ValueError, match="bound='cap' bounds logits by the soft cap: pass logits_soft_cap"):
+      self.run(q, k, v, causal=True, bound="cap")
+
   @pytest.mark.parametrize("causal,window,packed", [(True, 24, False), (False, (16, 8), False), (True, 20, True)])
   def test_local_window(self, causal, window, packed):
     """Sliding-window attention (jax.nn's local_window_size; Mistral, Gemma) against float64, and a

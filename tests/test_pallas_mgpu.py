@@ -98,7 +98,8 @@ def test_kernel_lowers_for_the_gpu(causal, seq, d, stabilizer, granularity, pack
 WINDOW_CAP_LOWERINGS = [
     (True, 256, 128, False, dict(local_window_size=100), None, "clis"),
     (False, 200, 64, False, dict(local_window_size=(40, 70)), None, "clis"),
-    (True, 256, 64, True, dict(logits_soft_cap=20.0), None, "clis"),
+    (True, 256, 64, True, dict(logits_soft_cap=20.0), None, "clis"),  # the cap's bound (Mode.CAP)
+    (True, 256, 128, False, dict(logits_soft_cap=20.0, bound="radius"), None, "clis"),  # in-kernel (Mode.KEYS)
     (False, 256, 128, False, dict(logits_soft_cap=20.0, local_window_size=64),
      pallas_mgpu_vjp.BlockSizes(fused_dq=True, split_dq=True), "online"),
     (True, 256, 128, True, dict(local_window_size=64), pallas_mgpu_vjp.BlockSizes(fused_dq=True), "clis"),
@@ -108,7 +109,8 @@ WINDOW_CAP_LOWERINGS = [
 @pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
 @pytest.mark.parametrize("causal,seq,d,packed,kw,backward_tiles,stabilizer", WINDOW_CAP_LOWERINGS)
 def test_window_and_soft_cap_lower_for_the_gpu(causal, seq, d, packed, kw, backward_tiles, stabilizer):
-  """Local windows (the band's blocks only) and soft caps on the Mosaic GPU forward (in-kernel certificate) and
+  """Local windows (the band's blocks only) and soft caps on the Mosaic GPU forward (the cap's bound, or the in-kernel
+  certificate) and
   each Mosaic GPU backward (two kernels, fused, fused with split dQ): no Triton kernel left."""
   q = jax.ShapeDtypeStruct((1, seq, 8, d), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((1, seq, 2, d), jnp.bfloat16)
@@ -571,16 +573,21 @@ def test_window_and_soft_cap_match_float64_on_gpu(case, tanh):
   q, k, v, do, seg, want = _float64_case(name, seq, hq, hkv, d, d, causal, packed, kw)
   forward_tiles = pallas_mgpu.BlockSizes(soft_cap_tanh=tanh)
   fwd = {}
-  for stabilizer in ("clis", "online"):
-    out = attention(q, k, v, seg, causal=causal, stabilizer=stabilizer, implementation="pallas_mgpu",
-                    block_sizes=forward_tiles, **kw)
-    fwd[stabilizer] = ref.rel_err(out, want[0])
-    assert fwd[stabilizer] < TOLERANCE[jnp.bfloat16][0], (stabilizer, fwd)
+  variants = {"clis": {}, "online": dict(stabilizer="online")}
+  if "logits_soft_cap" in kw:  # clis takes the cap's bound (Mode.CAP); the in-kernel radius bound too
+    variants["clis_radius"] = dict(bound="radius")
+  for label, variant in variants.items():
+    out = attention(q, k, v, seg, causal=causal, implementation="pallas_mgpu", block_sizes=forward_tiles, **variant,
+                    **kw)
+    fwd[label] = ref.rel_err(out, want[0])
+    assert fwd[label] < TOLERANCE[jnp.bfloat16][0], (label, fwd)
   assert fwd["clis"] <= CLIS_VS_ONLINE * fwd["online"], fwd
-  if "logits_soft_cap" in kw:  # c <= tau / 2: every tile certifies
-    _, capped = attention(q, k, v, seg, causal=causal, implementation="pallas_mgpu", return_stats=True,
-                          block_sizes=forward_tiles, **kw)
-    assert float(capped.certified_fraction) == 1.0
+  if "logits_soft_cap" in kw:  # c <= tau / 2: every tile certifies, by either bound
+    for label in ("clis", "clis_radius"):
+      _, capped = attention(q, k, v, seg, causal=causal, implementation="pallas_mgpu", return_stats=True,
+                            block_sizes=forward_tiles, **variants[label], **kw)
+      assert float(capped.certified_fraction) == 1.0, label
+    assert fwd["clis_radius"] <= CLIS_VS_ONLINE * fwd["online"], fwd
   errors = {}
   for label, (implementation, backward_tiles) in BACKWARDS.items():
     if label == "split" and d != 128:

@@ -136,6 +136,31 @@ def test_sink_and_scale_make_certification_fail():
   assert not bool(bad.certified.any())
 
 
+@pytest.mark.parametrize("dtype,cap,v_scale,certifies", [
+    (jnp.bfloat16, 50.0, 1.0, True),  # Gemma 2's cap: 2c·log2 e = 144 <= min(185, h + T = 213)
+    (jnp.float32, 30.0, 1.0, True),  # 87 <= 92 (τ = 64 nats)
+    (jnp.float32, 50.0, 1.0, False),  # 144 > 92: τ refuses
+    (jnp.bfloat16, 50.0, 2.0**90, False)])  # |v| ~ 2^90 leaves h + T = 141 < 144: the data refuses
+def test_cap_bound_holds_and_certifies_by_the_cap_alone(dtype, cap, v_scale, certifies):
+  """bound="cap": ±c·log2 e (widened for tanh.approx) bounds every capped row max, even of logits ~1e3 before the
+  cap; M = max(−U, U − h) per (batch, kv head); every tile passes or none does, as τ and h + T say."""
+  q, k, v = skewed_inputs(3, "heavy_tail")
+  q, k, v = q.astype(dtype), k.astype(dtype), (v * v_scale).astype(dtype)
+  scale, cap2, tau = 1 / math.sqrt(32), cap * LOG2E, stabilizer.default_tau(dtype)
+  cert = stabilizer.certify_cap(v, None, num_heads=q.shape[2], q_len=q.shape[1], softcap=cap, tau=tau,
+                                granularity="tile", block_q=BLOCK_Q, seq_len=q.shape[1])
+  row_max = true_row_max(q, k, None, True, scale)
+  assert np.abs(row_max).max() > 4 * cap2  # the cap is what bounds these rows
+  capped = cap2 * np.tanh(row_max / cap2)  # capping is monotone: the capped max is the max's cap
+  upper, lower = np.asarray(cert.upper, np.float64), np.asarray(cert.lower, np.float64)
+  assert np.all(upper >= capped) and np.all(lower <= capped) and np.all(upper == -lower)
+  headroom, _ = stabilizer.headroom_and_floor(v, segment_ids=None, seq_len=k.shape[1])
+  h = np.repeat(np.asarray(headroom), q.shape[2] // k.shape[2], axis=1)[..., None]
+  np.testing.assert_allclose(np.asarray(cert.m), np.maximum(lower, upper - h), rtol=1e-6)
+  assert bool(cert.certified.all()) is certifies and bool(cert.certified.any()) is certifies
+  assert stabilizer.cap_certifies(cap, tau) is (certifies or v_scale > 1)
+
+
 def test_floor_depends_on_dtype_and_length():
   v32 = jnp.ones((1, 4096, 1, 8), jnp.float32)
   h32, t32 = stabilizer.headroom_and_floor(v32, segment_ids=None, seq_len=4096)

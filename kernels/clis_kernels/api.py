@@ -24,7 +24,7 @@ from clis_kernels import stabilizer as certificate
 IMPLEMENTATIONS = plan_lib.IMPLEMENTATIONS
 STABILIZERS = ("clis", "online")
 GRANULARITIES = ("tile", "head")
-BOUNDS = ("radius", "blocks")
+BOUNDS = ("radius", "blocks", "cap")
 
 
 @jax.tree_util.register_dataclass
@@ -93,6 +93,8 @@ def check_inputs(q, k, v, segment_ids, causal, stabilizer_name, granularity, tau
     raise ValueError(f"{granularity=} must be one of {GRANULARITIES}")
   if bound is not None and bound not in BOUNDS:
     raise ValueError(f"{bound=} must be one of {BOUNDS} or None (the plan's choice)")
+  if bound == "cap" and logits_soft_cap is None:
+    raise ValueError("bound='cap' bounds logits by the soft cap: pass logits_soft_cap, or bound='radius' / 'blocks'")
   if tau is not None and not tau > 0:
     raise ValueError(f"{tau=} must be positive (natural-log units), or None for the dtype's default")
   if logits_soft_cap is not None and not (isinstance(logits_soft_cap, (int, float)) and logits_soft_cap > 0):
@@ -236,6 +238,9 @@ def stabilizer_input(plan: plan_lib.Plan, qp, kp, vp, segp, *, causal, scale, ta
   or None (public for the benchmarks, which time this pre-pass alone)."""
   if plan.mode is plan_lib.Mode.ONLINE:
     return None
+  if plan.mode is plan_lib.Mode.CAP:
+    return certificate.certify_cap(vp, segp, num_heads=qp.shape[2], q_len=qp.shape[1], softcap=softcap, tau=tau,
+                                   granularity=granularity, block_q=plan.tile, seq_len=seq_len, kv_seq_len=kv_seq_len)
   if plan.mode is plan_lib.Mode.BLOCKS:
     kernel = plan.row_bounds_kernel(causal=causal, packed=segp is not None, window=window, separate_ids=separate_ids,
                                     same_length=qp.shape[1] == kp.shape[1])
@@ -273,8 +278,10 @@ def attention(q, k, v, segment_ids=None, *, causal=True, scale=None, local_windo
   bound: "radius" (one centre and per-tile radius from a K/V pre-pass; kernels certify in their
     prologue), "blocks" (per-block centres, exceptional keys scored exactly, the row's own block
     scored exactly: holds on sinks and RoPE-rotated outlier channels; a pre-pass over q and K,
-    stabilizer.certify_blocks, with a Triton kernel for the rows' bounds on GPUs), or None: the
-    plan's choice (plan.automatic_bound: "blocks" on Hopper from plan.BLOCKS_FROM_MGPU keys on).
+    stabilizer.certify_blocks, with a Triton kernel for the rows' bounds on GPUs), "cap" (with
+    logits_soft_cap: ±c bounds every logit, no pre-pass; stabilizer.certify_cap), or None: the
+    plan's choice (plan.automatic_bound: "cap" where the cap alone certifies, c <= tau / 2; else "blocks" on
+    Hopper from plan.BLOCKS_FROM_MGPU keys on).
   implementation: None (TPU → "pallas_tpu"; NVIDIA Hopper with bf16/f16 and D up to 128, or MLA's q·k 192 with
     v 128, or D up to 256 (padded to 256) → "pallas_mgpu", the fastest forward and backward on an H200; other NVIDIA
     GPUs or inputs →
@@ -318,12 +325,13 @@ def attention(q, k, v, segment_ids=None, *, causal=True, scale=None, local_windo
     none = jnp.zeros((q.shape[0], q.shape[2], 1), bool)
     return out, AttentionStats(none, jnp.zeros(()), jnp.zeros(q.shape[2]))
   seq_len, kv_seq_len = q.shape[1], k.shape[1]
+  tau = certificate.default_tau(q.dtype) if tau is None else float(tau)
   plan = plan_lib.make_plan(dtype=q.dtype, head_dim=q.shape[-1], value_head_dim=v.shape[-1],
                             seq_len=max(seq_len, kv_seq_len), stabilizer=stabilizer, bound=bound, causal=bool(causal), packed=segment_ids is not None, granularity=granularity, separate_ids=separate_ids,
                             window_or_cap=window is not None or softcap is not None,
                             implementation=implementation,
                             block_sizes=block_sizes, backward_block_sizes=backward_block_sizes, interpret=interpret,
-                            platform=platform)
+                            platform=platform, softcap=softcap, tau=tau)
   if 0 in q.shape or 0 in k.shape:
     return _empty_attention(q, return_stats, v.shape[-1])
   # Zero columns change no logit and no kept output column: q, k pad to the plan's q·k head dim, v to its v head
@@ -334,7 +342,6 @@ def attention(q, k, v, segment_ids=None, *, causal=True, scale=None, local_windo
                                                        segment_ids)
   needs_kv_mask = kp.shape[1] != kv_seq_len and not causal and segment_ids is None
   static = _Static(plan, bool(causal), scale, kv_seq_len if needs_kv_mask else None, seq_len, window, softcap)
-  tau = certificate.default_tau(q.dtype) if tau is None else float(tau)
   stab = stabilizer_input(plan, qp, kp, vp, segp, causal=causal, scale=scale, tau=tau, granularity=granularity,
                            seq_len=seq_len, kv_seq_len=kv_seq_len, window=window, separate_ids=separate_ids,
                            softcap=softcap)

@@ -47,7 +47,7 @@ from clis_kernels.mgpu_pipeline import (COMPUTE_WARPGROUPS, RANGE_WIDTH, cta_fir
                                         read_range_entry, stream_kv, swizzled)
 from clis_kernels.common import int32_loop, out_struct
 from clis_kernels.plan import Mode, stabilizer_inputs
-from clis_kernels.stabilizer import EMPTY_LSE, LOG2E, Certificate, KeyBounds, row_bounds, stabilize
+from clis_kernels.stabilizer import CAP_TANH_ERROR, EMPTY_LSE, LOG2E, Certificate, KeyBounds, row_bounds, stabilize
 
 HEAD_DIMS = (64, 128, 256)
 # Head dims whose CTA fits the in-kernel certificate's scratch (Mode.KEYS): at 256 the Q, K and V slots alone take
@@ -62,7 +62,7 @@ FAILED_TILE_M = 1e30  # M sent for rows of a tile the XLA certificate failed (re
 ONLINE_FLOOR = -1e20  # the online loop's starting max (base 2): below any real logit
 LIST_COLUMNS = 128  # a kept-tile list lies in rows of this many entries (one TMA box holds <= 256 per dimension)
 TANHS = ("approx", "exp2")  # BlockSizes.soft_cap_tanh
-TANH_ERROR = {"approx": 2.0**-9, "exp2": 2.0**-20}  # above twice each one's largest absolute error in tanh
+TANH_ERROR = {"approx": CAP_TANH_ERROR, "exp2": 2.0**-20}  # above twice each one's largest absolute error in tanh
 SUM_COLUMNS = 16  # columns of the ones tile the tensor-core sum multiplies by (32-byte rows: wgmma's least swizzle)
 
 
@@ -223,6 +223,11 @@ class _Config:
   cap2: float | None = None  # base-2 soft cap c·log2 e of c·tanh(s / c), or None
   tanh: str = "approx"  # BlockSizes.soft_cap_tanh
   heads: int = 1  # BlockSizes.heads_per_cta
+
+  @property
+  def logit_scale(self) -> float:
+    """What turns the loop's Q·Kᵀ (`_capped`) into base-2 logits: σ₂, or cap2 (one multiply fewer per logit)."""
+    return self.sigma2 if self.cap2 is None else self.cap2
 
 
 class _Refs(NamedTuple):
@@ -738,11 +743,12 @@ def cap_tanh(x, how: str):
 
 
 def _capped(c: _Config, qk):
-  """Q·Kᵀ soft-capped in the same units: σ₂ times the result is cap2·tanh(σ₂·qk / cap2) (stabilizer.soft_cap).
-  Before the mask: tanh would turn a hidden −inf into a finite −cap."""
+  """Q·Kᵀ as the loop takes it: `c.logit_scale` times the result is the base-2 logit, σ₂·qk, or with a soft cap
+  cap2·tanh(σ₂·qk / cap2) (stabilizer.soft_cap; the result is then the tanh, as tokamax's). Before the mask: tanh
+  would turn a hidden −inf into a finite −cap."""
   if c.cap2 is None:
     return qk
-  return (c.cap2 / c.sigma2) * cap_tanh(qk * (c.sigma2 / c.cap2), c.tanh)
+  return cap_tanh(qk * (c.sigma2 / c.cap2), c.tanh)
 
 
 def _step(c: _Config, s: _Scratch, ss, r: _Rows, fixed: bool, m0, i, carry, masked: bool):
@@ -758,11 +764,11 @@ def _step(c: _Config, s: _Scratch, ss, r: _Rows, fixed: bool, m0, i, carry, mask
 
   qk = _visible(c, s, ss, r, _capped(c, pl.run_scoped(qk_scope, plgpu.ACC((c.block_q, c.block_kv), jnp.float32))), i,
                 slot, masked)
-  row_max = qk.max(axis=1) * c.sigma2 if c.track or not fixed else None
+  row_max = qk.max(axis=1) * c.logit_scale if c.track or not fixed else None
   if c.track:
     _record_row_max(c, r, i, row_max)
   if fixed:  # the certified step: no max, no rescale
-    p = jnp.exp2(qk * c.sigma2 - lax.broadcast_in_dim(m, qk.shape, [0]))
+    p = jnp.exp2(qk * c.logit_scale - lax.broadcast_in_dim(m, qk.shape, [0]))
     p_low = p.astype(r.dtype)
     if not c.exact_sum:
       l = l + p.sum(axis=1)  # the unrounded weights: see the module docstring
@@ -771,7 +777,7 @@ def _step(c: _Config, s: _Scratch, ss, r: _Rows, fixed: bool, m0, i, carry, mask
   else:
     m_new = jnp.maximum(m, row_max)
     alpha = jnp.exp2(m - m_new)
-    p = jnp.exp2(qk * c.sigma2 - lax.broadcast_in_dim(m_new, qk.shape, [0]))
+    p = jnp.exp2(qk * c.logit_scale - lax.broadcast_in_dim(m_new, qk.shape, [0]))
     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
     l = l * alpha + p.sum(axis=1)
     m, p_low = m_new, p.astype(r.dtype)
@@ -811,7 +817,7 @@ def _overlapped_step(c: _Config, s: _Scratch, ss, r: _Rows, m0, i, carry, masked
   slot, nxt = lax.rem(i, jnp.int32(c.slots)), lax.rem(i + 1, jnp.int32(c.slots))
   qk = _visible(c, s, ss, r, _capped(c, qk), i, slot, masked)
   if c.track:
-    _record_row_max(c, r, i, qk.max(axis=1) * c.sigma2)
+    _record_row_max(c, r, i, qk.max(axis=1) * c.logit_scale)
 
   def scope(next_ref):
     @pl.when(i + 1 < r.total)
@@ -819,7 +825,7 @@ def _overlapped_step(c: _Config, s: _Scratch, ss, r: _Rows, m0, i, carry, masked
       plgpu.barrier_wait(s.k_ready.at[nxt])
       plgpu.wgmma(next_ref, r.q_smem, s.k.at[nxt].T)
 
-    p = jnp.exp2(qk * c.sigma2 - lax.broadcast_in_dim(m0, qk.shape, [0]))
+    p = jnp.exp2(qk * c.logit_scale - lax.broadcast_in_dim(m0, qk.shape, [0]))
     p_low = p.astype(r.dtype)
     new_l = l + (p_low.astype(jnp.float32) if c.exact_sum else p).sum(axis=1)
     new_lse = l_lse + p.sum(axis=1) if c.lse_sum else None

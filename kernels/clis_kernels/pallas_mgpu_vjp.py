@@ -96,12 +96,13 @@ def _masked(s, row_pos, col_pos, row_ids, col_ids, *, causal_rows_are_queries, c
 
 
 def _capped(s, sigma2: float, cap2, tanh: str):
-  """(s', dtanh): Q·Kᵀ soft-capped in its own units (σ₂·s' = cap2·tanh(σ₂·s / cap2), as the forward) and the
-  cap's derivative 1 − tanh², which scales dS; (s, None) without a cap. Before the mask, as in the forward."""
+  """(s', dtanh, scale): Q·Kᵀ soft-capped, with the scale that makes it base-2 logits (scale·s' = cap2·tanh(σ₂·s /
+  cap2), as the forward: s' = tanh(σ₂·s / cap2), scale = cap2), and the cap's derivative 1 − tanh², which scales dS;
+  (s, None, σ₂) without a cap. Before the mask, as in the forward."""
   if cap2 is None:
-    return s, None
+    return s, None, sigma2
   th = cap_tanh(s * (sigma2 / cap2), tanh)
-  return (cap2 / sigma2) * th, 1.0 - th * th
+  return th, 1.0 - th * th, cap2
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, sigma2, scale, slots, kv_len,
@@ -172,14 +173,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, s
           plgpu.wgmma(acc_ref, q_smem.at[wg], k_smem.at[slot].T)
           return acc_ref[...]
 
-        s, dtanh = _capped(pl.run_scoped(s_scope, plgpu.ACC((ROWS, ROWS), jnp.float32)), sigma2, cap2, tanh)
+        s, dtanh, logit_scale = _capped(pl.run_scoped(s_scope, plgpu.ACC((ROWS, ROWS), jnp.float32)), sigma2, cap2, tanh)
         k_ids = None
         if has_segments:
           plgpu.barrier_wait(kseg_ready.at[slot])
           k_ids = plgpu.load(kseg_smem.at[slot], layout=COL)
         s = _masked(s, row0, i * ROWS, q_ids, k_ids, causal_rows_are_queries=True, causal=causal, kv_len=kv_len,
                     masked=masked, window=window)
-        p = jnp.exp2(s * sigma2 - rows_of(lse))
+        p = jnp.exp2(s * logit_scale - rows_of(lse))
         plgpu.barrier_wait(v_ready.at[slot])
 
         def dp_scope(acc_ref):
@@ -321,13 +322,13 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
           plgpu.wgmma(acc_ref, k_smem.at[wg], q_smem.at[slot].T)
           return acc_ref[...]
 
-        s, dtanh = _capped(pl.run_scoped(s_scope, plgpu.ACC((ROWS, ROWS), jnp.float32)), sigma2, cap2, tanh)
+        s, dtanh, logit_scale = _capped(pl.run_scoped(s_scope, plgpu.ACC((ROWS, ROWS), jnp.float32)), sigma2, cap2, tanh)
         q_ids = None if not has_segments else plgpu.load(qseg_smem.at[slot], layout=COL)
         s = _masked(s, kv0, j * ROWS, k_ids, q_ids, causal_rows_are_queries=False, causal=causal, kv_len=None,
                     masked=masked, window=window)
         lse = lax.broadcast_in_dim(plgpu.load(lse_smem.at[slot], layout=COL), s.shape, [1])
         delta = lax.broadcast_in_dim(plgpu.load(delta_smem.at[slot], layout=COL), s.shape, [1])
-        p = jnp.exp2(s * sigma2 - lse)
+        p = jnp.exp2(s * logit_scale - lse)
 
         def dp_scope(acc_ref):  # dPᵀ = V·dOᵀ
           plgpu.wgmma(acc_ref, v_smem.at[wg], do_smem.at[slot].T)

@@ -126,13 +126,13 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
             plgpu.wgmma(acc_ref, k_smem.at[h], q_smem.at[slot, :, pl.ds(h * half, half)].T)
           return acc_ref[...]
 
-        s, dtanh = _capped(pl.run_scoped(s_scope, plgpu.ACC((ROWS, ROWS), jnp.float32)), sigma2, cap2, tanh)
+        s, dtanh, logit_scale = _capped(pl.run_scoped(s_scope, plgpu.ACC((ROWS, ROWS), jnp.float32)), sigma2, cap2, tanh)
         q_ids = None if not has_segments else plgpu.load(qseg_smem.at[slot], layout=COL)
         s = _masked(s, kv0, j * ROWS, k_ids, q_ids, causal_rows_are_queries=False, causal=causal, kv_len=None,
                     masked=masked, window=window)
         lse = lax.broadcast_in_dim(plgpu.load(lse_smem.at[slot], layout=COL), s.shape, [1])
         delta = lax.broadcast_in_dim(plgpu.load(delta_smem.at[slot], layout=COL), s.shape, [1])
-        p = jnp.exp2(s * sigma2 - lse)
+        p = jnp.exp2(s * logit_scale - lse)
 
         def dp_scope(acc_ref):  # dPᵀ = V·dOᵀ
           for h in range(2):
@@ -302,14 +302,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, s
             plgpu.wgmma(acc_ref, q_smem.at[h], k_smem.at[slot, :, pl.ds(h * half, half)].T)
           return acc_ref[...]
 
-        s, dtanh = _capped(pl.run_scoped(s_scope, plgpu.ACC((ROWS, ROWS), jnp.float32)), sigma2, cap2, tanh)
+        s, dtanh, logit_scale = _capped(pl.run_scoped(s_scope, plgpu.ACC((ROWS, ROWS), jnp.float32)), sigma2, cap2, tanh)
         k_ids = None
         if has_segments:
           plgpu.barrier_wait(kseg_ready.at[slot])
           k_ids = plgpu.load(kseg_smem.at[slot], layout=COL)
         s = _masked(s, row0, i * ROWS, q_ids, k_ids, causal_rows_are_queries=True, causal=causal, kv_len=kv_len,
                     masked=masked, window=window)
-        p = jnp.exp2(s * sigma2 - lse)
+        p = jnp.exp2(s * logit_scale - lse)
         plgpu.barrier_wait(v_ready.at[slot])
 
         def dp_scope(acc_ref):

@@ -28,6 +28,7 @@ class Mode(enum.Enum):
   KEYS = "keys"  # the kernel certifies each tile in its prologue from stabilizer.KeyBounds
   CERTIFICATE = "certificate"  # an XLA pre-pass (stabilizer.certify_rows) certified each tile
   BLOCKS = "blocks"  # an XLA pre-pass with the block bound (stabilizer.certify_blocks)
+  CAP = "cap"  # the soft cap bounds every logit: M from the cap and max |v| alone (stabilizer.certify_cap)
 
 
 def stabilizer_inputs(stab, mode: Mode):
@@ -35,7 +36,7 @@ def stabilizer_inputs(stab, mode: Mode):
   CERTIFICATE and BLOCKS, neither for ONLINE; anything else is an error naming what was expected."""
   from clis_kernels import stabilizer  # the math module; plan.py itself stays free of kernels' imports
   want = {Mode.KEYS: stabilizer.KeyBounds, Mode.CERTIFICATE: stabilizer.Certificate,
-          Mode.BLOCKS: stabilizer.Certificate, Mode.ONLINE: type(None)}[Mode(mode)]
+          Mode.BLOCKS: stabilizer.Certificate, Mode.CAP: stabilizer.Certificate, Mode.ONLINE: type(None)}[Mode(mode)]
   if not isinstance(stab, want):
     raise ValueError(f"{mode=} takes the stabilizer as {want.__name__}; got {type(stab).__name__}")
   return (stab, None) if mode is Mode.KEYS else (None, stab)
@@ -254,6 +255,8 @@ def mode_of(stabilizer: str, *, bound: str, granularity: str, separate_ids: bool
     return Mode.ONLINE
   if bound == "blocks":
     return Mode.BLOCKS
+  if bound == "cap":
+    return Mode.CAP
   keys_max = getattr(_module(entry.forward), "KEYS_MAX_HEAD_DIM", None)  # where the kernel's scratch stops fitting
   in_kernel = entry.certifies_in_kernel and (keys_max is None or head_dim <= keys_max)
   if granularity == "head" or separate_ids or not in_kernel:
@@ -262,9 +265,12 @@ def mode_of(stabilizer: str, *, bound: str, granularity: str, separate_ids: bool
 
 
 def automatic_bound(entry: Entry, *, seq_len: int, causal: bool, packed: bool, separate_ids: bool,
-                    window_or_cap: bool) -> str:
-  """bound=None: "blocks" from the entry's `blocks_from` keys on where its (U, L) kernel takes the call
-  (no window or cap, one segment_ids, not bidirectional packed), else "radius"."""
+                    window_or_cap: bool, cap_certifies: bool = False) -> str:
+  """bound=None: "cap" where the soft cap alone certifies (stabilizer.cap_certifies: no pre-pass at all), else
+  "blocks" from the entry's `blocks_from` keys on where its (U, L) kernel takes the call (no window or cap, one
+  segment_ids, not bidirectional packed), else "radius"."""
+  if cap_certifies:
+    return "cap"
   kernel_takes = not (window_or_cap or separate_ids or (packed and not causal))
   if entry.blocks_from is not None and seq_len >= entry.blocks_from and kernel_takes:
     return "blocks"
@@ -277,10 +283,13 @@ def make_plan(*, dtype, head_dim: int, seq_len: int, value_head_dim: int | None 
               granularity: str = "tile", separate_ids: bool = False, window_or_cap: bool = False,
               skipping: bool = False, implementation: str | None = None,
               block_sizes=None,
-              backward_block_sizes=None, interpret=False, platform: Platform | None = None) -> Plan:
+              backward_block_sizes=None, interpret=False, platform: Platform | None = None,
+              softcap: float | None = None, tau: float | None = None) -> Plan:
   """The plan for one call. seq_len: the longer of the query and key lengths (tile heuristics and
   the block bound's length rule); value_head_dim: v's head dim where it differs from q·k's (MLA), else None;
-  bound None: `automatic_bound`, which reads causal and packed (segment ids given)."""
+  bound None: `automatic_bound`, which reads causal and packed (segment ids given), and the soft cap against τ
+  (None: stabilizer.default_tau of dtype)."""
+  from clis_kernels import stabilizer as stabilizer_math
   from jax.experimental.pallas import tpu as pltpu
   interpret = interpret if isinstance(interpret, pltpu.InterpretParams) else bool(interpret)
   platform = Platform.detect() if platform is None else platform
@@ -301,11 +310,12 @@ def make_plan(*, dtype, head_dim: int, seq_len: int, value_head_dim: int | None 
     raise ValueError(f"backward_block_sizes for implementation={entry.name!r} must be "
                      f"{backend.backward_block_sizes_type.__module__}.BlockSizes; got "
                      f"{type(backward_block_sizes).__name__}")
-  if implementation is None and not entry.certifies_by_default:
-    stabilizer = "online"  # the automatic choice: this entry's certified loop does not pay
   if bound is None:
+    tau = stabilizer_math.default_tau(dtype) if tau is None else tau
     bound = automatic_bound(entry, seq_len=seq_len, causal=causal, packed=packed, separate_ids=separate_ids,
-                            window_or_cap=window_or_cap)
+                            window_or_cap=window_or_cap, cap_certifies=stabilizer_math.cap_certifies(softcap, tau))
+  if implementation is None and not entry.certifies_by_default and bound != "cap":
+    stabilizer = "online"  # the automatic choice: this entry's certified loop does not pay after a pre-pass
   mode = mode_of(stabilizer, bound=bound, granularity=granularity, separate_ids=separate_ids, entry=entry,
                  head_dim=padded_head)
   multiple = max(block_sizes.multiple, backward_block_sizes.multiple)

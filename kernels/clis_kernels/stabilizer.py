@@ -65,6 +65,9 @@ gap cap(U) − cap(L) ≤ min(U − L, 2c): the certificate only gets easier. Ev
 whatever q and k, once 2c·log2 e ≤ min(τ·log2 e, h + T), i.e. c ≤ τ/2 (32 at f32's default τ = 64,
 64 at bf16's τ = 128, within bf16's h + T): Gemma 2's c = 50 then certifies every bf16 tile.
 
+The cap alone is then a bound: U = c·log2 e, L = −U for every row (widened by CAP_TANH_ERROR·c·log2 e for the
+kernels' one-instruction tanh), with no pre-pass over q or K (`certify_cap`, bound="cap"); only h needs max |v|.
+
 Stabilizer. The kernel uses M_i = max(L_i, U_i − h), so every weight is 2^(t − M) ≤ 2^h,
 and the dominant one is ≥ 1 when M_i = L_i. Taking L_i when it is larger keeps the
 exponent's argument t − M small for the dominant terms: exp2's input is rounded to f32,
@@ -122,6 +125,7 @@ from clis_kernels import masks
 LOG2E = math.log2(math.e)
 TAU_F32 = 64.0  # nats: the default cap on U − L for f32 (and f64) inputs
 TAU_16BIT = 128.0  # nats: for bf16 / f16 inputs (f16 never certifies anyway: its h + T < 0)
+CAP_TANH_ERROR = 2.0**-9  # above twice the absolute error of the least exact tanh a kernel caps with (tanh.approx.f32)
 NEG = -1e30  # finite "minus infinity" for masked base-2 logits: exp2(NEG - finite) == 0
 EMPTY_LSE = 1e30  # saved lse of a row with no visible key: its backward weights are 0
 SAMPLED_BLOCKS = 32  # key blocks whose means give the centre (their median)
@@ -586,3 +590,25 @@ def certify_blocks(q, k, v, segment_ids, *, causal: bool, scale: float, tau: flo
   headroom, floor = headroom_and_floor(v, segment_ids=segment_ids, seq_len=kv_seq_len)
   return certificate_of(upper, lower, headroom, jnp.minimum(tau * LOG2E, headroom + floor), segment_ids,
                       block_q=block_q, seq_len=seq_len, granularity=granularity)
+
+
+def cap_certifies(softcap: float | None, tau: float) -> bool:
+  """Whether a soft cap c alone can certify: the gap 2c (widened for the kernels' tanh) is within τ (nats). The
+  dtype's h + T, which depends on max |v|, is checked per call by `certify_cap`."""
+  return softcap is not None and 2.0 * softcap * (1.0 + CAP_TANH_ERROR) <= tau
+
+
+def certify_cap(v, segment_ids, *, num_heads: int, q_len: int, softcap: float, tau: float, granularity: str,
+                block_q: int, seq_len: int, kv_seq_len: int | None = None) -> Certificate:
+  """The certificate from the soft cap alone (bound="cap"): every capped logit lies in (−U, U) with U = c·log2 e
+  (plus CAP_TANH_ERROR·U for an inexact tanh), so each row's bounds are ±U and M = max(−U, U − h) is one number per
+  (batch, kv head); no pass over q or K, only max |v| for h. Every tile passes when 2U <= min(τ·log2 e, h + T).
+
+  v: [B, Sk, Hkv, Dv] padded; num_heads: Hq; q_len: the padded query length Sq; seq_len: the real query length."""
+  segment_ids = masks.segment_ids_of(segment_ids)
+  kv_seq_len = seq_len if kv_seq_len is None else kv_seq_len
+  bound = softcap * LOG2E * (1.0 + CAP_TANH_ERROR)
+  upper = jnp.full((v.shape[0], num_heads, q_len), bound, jnp.float32)
+  headroom, floor = headroom_and_floor(jax.lax.stop_gradient(v), segment_ids=segment_ids, seq_len=kv_seq_len)
+  return certificate_of(upper, -upper, headroom, jnp.minimum(tau * LOG2E, headroom + floor), segment_ids,
+                        block_q=block_q, seq_len=seq_len, granularity=granularity)
