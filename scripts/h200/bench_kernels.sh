@@ -20,6 +20,9 @@
 #                      32k; causal 2k rows at D 64 (GQA 32/8) fwd
 #   certify_rule FAMILY  the certified forward against the online loop where the plan's Hopper rule decides: D 64
 #                      (GQA 32/8) 8k-32k causal and bidirectional, and a 4096-key window at D 128, causal 32k
+#   soft_cap           the soft cap's own bound (bound="cap", no pre-pass): GPU tests of the cap cases, then cap 50
+#                      at D 128 (GQA 32/8) and Gemma 2's D 256 with a 4096 window (GQA 16/8), 8k and 32k, fwd and
+#                      fwd+bwd: clis (the cap's bound), its tensor-core sum, online, the in-kernel radius, tokamax
 #   context_parallel [N]  context-parallel attention over N GPUs (default 1: the machinery's cost on one) against
 #                      one GPU, CLiS combine against an online ring: causal 32k GQA 32/8 D 128, sinks
 case "$1" in
@@ -90,10 +93,19 @@ case "$1" in
     TAIL=6 step "certify_window_$2" 150 python3 scripts/bench_attention.py --suite llm --seq-lens 32768 \
         --tokens 32768 --window 4096 --causal yes --packed no --inputs "$2" --passes fwd fwd_bwd \
         --impls clis_mgpu online_mgpu --repeats 7 --inner 3 --out "$OUT/certify_window_$2.json" ;;
+  soft_cap)
+    TAIL=8 step cap_tests 170 timeout -s INT 160 $GPU_TEST tests/test_pallas_mgpu.py -k "cap" --durations 3
+    TAIL=24 step cap50_d128 200 python3 scripts/bench_attention.py --suite llm --seq-lens 8192 32768 --tokens 32768 \
+        --softcap 50 --causal yes --packed no --inputs sinks_many --passes fwd fwd_bwd \
+        --impls clis clis_cap_tc_sum online clis_radius tokamax_mosaic --repeats 5 --inner 3 --out "$OUT/cap50_d128.json"
+    TAIL=16 step cap50_w4096_d256 170 python3 scripts/bench_attention.py --suite llm --llm-heads 16 8 256 \
+        --seq-lens 8192 32768 --tokens 32768 --softcap 50 --window 4096 --causal yes --packed no --inputs sinks_many \
+        --passes fwd fwd_bwd --impls clis online tokamax_mosaic --repeats 5 --inner 3 \
+        --out "$OUT/cap50_w4096_d256.json" ;;
   context_parallel)
     TAIL=12 step "context_parallel_${2:-1}" 300 python3 scripts/bench_context_parallel.py --seq 32768 \
         --heads 32 8 128 --context "${2:-1}" --family sinks_many --repeats 5 --inner 3 \
         --out "$OUT/context_parallel_${2:-1}.json" ;;
   *) echo "usage: bench_kernels.sh bwd_parts|llm_d128|llm_d64|sweep FAMILY PACKED|bidir FAMILY|diffusion|mla|"\
-"mla_bwd_parts|mla_batch|delta_pass|lse FAMILY|d256|heads_per_cta|certify_rule FAMILY|context_parallel [N]"; exit 2 ;;
+"mla_bwd_parts|mla_batch|delta_pass|lse FAMILY|d256|heads_per_cta|certify_rule FAMILY|soft_cap|context_parallel [N]"; exit 2 ;;
 esac
