@@ -200,14 +200,6 @@ def _cap_tc_sum(q, k, v, seg, causal, **kw):
                    block_sizes=dataclasses.replace(tiles, sum_on_tensor_cores=True), **kw)
 
 
-def _batch_inner(q, k, v, seg, causal, stabilizer):
-  """The default call with the Mosaic GPU backward's grids walking (heads, batch, tiles)
-  (pallas_mgpu_vjp.BlockSizes(batch_inner=True))."""
-  tiles = pallas_mgpu_vjp.default_block_sizes(q.shape[-1], q.shape[1], q.dtype)
-  return attention(q, k, v, seg, causal=causal, stabilizer=stabilizer,
-                   backward_block_sizes=dataclasses.replace(tiles, batch_inner=True))
-
-
 def _tokamax_k_start(q, k, v, seg, causal):
   """tokamax's Mosaic GPU flash attention with packed documents as per-row first keys (the trainer's
   attention=tokamax; causal only)."""
@@ -257,7 +249,6 @@ def implementations(names, platform, quick):
       table[f"{stab}_kv64"] = functools.partial(_kv64, stabilizer=stab)
       table[f"{stab}_rounded_lse"] = functools.partial(_rounded_lse, stabilizer=stab)
     table["clis_cap_tc_sum"] = _cap_tc_sum
-    table["online_batch_inner"] = functools.partial(_batch_inner, stabilizer="online")
     for heads in (1, 2, 4, 8):
       table[f"online_heads{heads}"] = functools.partial(_heads_per_cta, stabilizer="online", heads=heads)
     table["tokamax_k_start"] = _tokamax_k_start

@@ -175,52 +175,6 @@ def test_heads_per_cta_gives_clear_errors(heads, kw, message):
     jax.eval_shape(fwd, q, k, k)
 
 
-# q·k head dim, v head dim, packed: the two-kernel backward (128, MLA's 192/128, packed 256) and the fused one (64)
-BATCH_INNER_CASES = [(128, 128, False), (192, 128, False), (64, 64, True), (256, 256, True)]
-
-
-@pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
-@pytest.mark.parametrize("d,dv,packed", BATCH_INNER_CASES)
-def test_batch_inner_backward_lowers_for_the_gpu(d, dv, packed):
-  """pallas_mgpu_vjp.BlockSizes(batch_inner=True): the backward's grids walk (heads, batch, tiles)."""
-  q = jax.ShapeDtypeStruct((2, 256, 4, d), jnp.bfloat16)
-  k, v = jax.ShapeDtypeStruct((2, 256, 2, d), jnp.bfloat16), jax.ShapeDtypeStruct((2, 256, 2, dv), jnp.bfloat16)
-  seg = jax.ShapeDtypeStruct((2, 256), jnp.int32) if packed else None
-  tiles = dataclasses.replace(pallas_mgpu_vjp.default_block_sizes(d, 256, jnp.bfloat16), batch_inner=True)
-
-  def loss(q, k, v, seg):
-    return attention(q, k, v, seg, causal=True, implementation="pallas_mgpu", platform=HOPPER, stabilizer="online",
-                     backward_block_sizes=tiles).astype(jnp.float32).sum()
-
-  text = lower_for_h200(jax.grad(loss, argnums=(0, 1, 2)), q, k, v, seg)
-  assert text.count("custom_call @mosaic_gpu") == (2 if tiles.fused_dq else 3)
-
-
-@needs_gpu
-@pytest.mark.parametrize("d,dv,packed", BATCH_INNER_CASES)
-def test_batch_inner_backward_is_bit_identical_on_gpu(d, dv, packed):
-  """batch_inner=True only reorders the backward's CTAs: the two-kernel backward's gradients equal the default
-  order's bit for bit; the fused one's (f32 reduce-adds in varying order) within TOLERANCE of float64, as the
-  default's."""
-  q, k, v, do = random_inputs(d + dv, 2, 1024, 4, 2, d, jnp.bfloat16)
-  v = jax.random.normal(jax.random.PRNGKey(dv), k.shape[:3] + (dv,), jnp.bfloat16)
-  do = jax.random.normal(jax.random.PRNGKey(dv + 1), q.shape[:3] + (dv,), jnp.bfloat16)
-  seg = packed_segments(d, 2, 1024) if packed else None
-  tiles = pallas_mgpu_vjp.default_block_sizes(d, 1024, jnp.bfloat16)
-  grads = {}
-  for inner in (False, True):
-    f = lambda q, k, v: attention(q, k, v, seg, causal=True, implementation="pallas_mgpu", stabilizer="online",
-                                  backward_block_sizes=dataclasses.replace(tiles, batch_inner=inner))
-    grads[inner] = jax.vjp(f, q, k, v)[1](do)
-  if tiles.fused_dq:
-    want = ref.attention(q, k, v, do, seg, causal=True)
-    for inner in (False, True):
-      assert max(ref.rel_err(g, w) for g, w in zip(grads[inner], want[1:])) < TOLERANCE[jnp.bfloat16][1], inner
-  else:
-    for a, b in zip(grads[False], grads[True]):
-      np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-
-
 @pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
 @pytest.mark.parametrize("packed", [False, True])
 def test_triton_backward_lowers_for_the_gpu(packed):

@@ -54,17 +54,13 @@ class BlockSizes:
   so each step adds a [64, 64] f32 part per warpgroup instead of [64, 128] (half the reduce-add bytes, half the
   dQ accumulator's registers, half the staging memory). Both warpgroups then walk the CTA's steps in lockstep
   (one 2-arrival barrier per step). Opt-in until timed on the H200.
-  soft_cap_tanh: logits_soft_cap's tanh, as the forward's BlockSizes field of that name (they should agree).
-  batch_inner: both kernels' grids walk (heads, batch, tiles) instead of (heads, tiles, batch), so CTAs of one
-  tile index run for every batch row together and the whole grid goes longest tile first, not each batch row in
-  turn. Only the CTAs' launch order changes (the results are bit-identical). Opt-in until timed on the H200."""
+  soft_cap_tanh: logits_soft_cap's tanh, as the forward's BlockSizes field of that name (they should agree)."""
 
   slots: int = 2
   fused_dq: bool = False
   document_ranges: bool = True
   split_dq: bool = False
   soft_cap_tanh: str = "approx"
-  batch_inner: bool = False
 
   def __post_init__(self):
     if self.soft_cap_tanh not in TANHS:
@@ -592,15 +588,11 @@ class Launches:
       self.dq_args = args + [first_kv_blocks(segment_ids, cta_rows=cta_rows, block_kv=ROWS)]
       self.dkv_args = args + [_q_block_ends(segment_ids, cta_rows=cta_rows)]
     self.q, self.k, self.v, self.scale, self.kv_len, self.block_sizes = q, k, v, scale, kv_len, block_sizes
-    self.dq_grid = (("heads", num_heads), ("q_tiles", seq // cta_rows), ("batch", batch))
-    self.dkv_grid = (("heads", num_kv_heads), ("kv_tiles", kv_seq // cta_rows), ("batch", batch))
-    if block_sizes.batch_inner:  # (heads, batch, tiles): the first axis varies fastest
-      self.dq_grid, self.dkv_grid = (tuple(grid[i] for i in (0, 2, 1)) for grid in (self.dq_grid, self.dkv_grid))
+    self.dq_grid = (num_heads, seq // cta_rows, batch)
+    self.dkv_grid = (num_kv_heads, kv_seq // cta_rows, batch)
 
-  def _launch(self, kernel, out_type, grid):
-    """grid: (name, size) pairs, the fastest-varying first."""
-    return plgpu.kernel(kernel, out_type=out_type, grid=tuple(n for _, n in grid),
-                        grid_names=tuple(name for name, _ in grid), num_threads=COMPUTE_WARPGROUPS + 1,
+  def _launch(self, kernel, out_type, grid, names):
+    return plgpu.kernel(kernel, out_type=out_type, grid=grid, grid_names=names, num_threads=COMPUTE_WARPGROUPS + 1,
                         thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True))
 
   def fused(self):
@@ -609,7 +601,8 @@ class Launches:
     dq_acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
     dk, dv = self._launch(
         functools.partial(_dkv_kernel, fused_dq=True, split_dq=self.block_sizes.split_dq, **self.common),
-        (out_struct(k.shape, k.dtype, k), out_struct(v.shape, v.dtype, v)), self.dkv_grid)(*self.dkv_args, dq_acc)
+        (out_struct(k.shape, k.dtype, k), out_struct(v.shape, v.dtype, v)), self.dkv_grid,
+        ("heads", "kv_tiles", "batch"))(*self.dkv_args, dq_acc)
     return (dq_acc[...] * self.scale).astype(q.dtype), dk, dv
 
   def _kernels(self):
@@ -624,14 +617,15 @@ class Launches:
     q = self.q
     kernel, _, common = self._kernels()
     return self._launch(functools.partial(kernel, kv_len=self.kv_len, **common),
-                        out_struct(q.shape, q.dtype, q), self.dq_grid)(*self.dq_args)
+                        out_struct(q.shape, q.dtype, q), self.dq_grid, ("heads", "q_tiles", "batch"))(*self.dq_args)
 
   def dkv(self):
     """(dk, dv) from the dK/dV kernel (rows = keys)."""
     k, v = self.k, self.v
     _, kernel, common = self._kernels()
     return self._launch(functools.partial(kernel, **common),
-                        (out_struct(k.shape, k.dtype, k), out_struct(v.shape, v.dtype, v)), self.dkv_grid)(*self.dkv_args)
+                        (out_struct(k.shape, k.dtype, k), out_struct(v.shape, v.dtype, v)), self.dkv_grid,
+                        ("heads", "kv_tiles", "batch"))(*self.dkv_args)
 
 
 def _q_block_ends(segment_ids, *, cta_rows: int):
