@@ -158,6 +158,9 @@ def _function(path: str, default: str):
 # bidirectional); D 64, 8k-32k, 0.88-0.998x; D 256, 32k, 0.95-0.96x; a 4096-key window, causal 32k, 0.96x. Saving
 # lse from the rounded sum instead reached only 0.99-1.06x at D 128 and 0.94-1.02x at D 64, so no length or
 # head-dim rule pays either.
+# Nor where no pre-pass is needed: with Gemma 2's soft cap 50 the cap alone certifies (bound="cap"), and the
+# certified loop measured 0.90 / 0.92x online at D 128 (8k / 32k; 0.98x with the rounded sum on the tensor cores) and
+# 0.98 / 1.01x at D 256 with a 4096 window (BENCHMARKS.md §1, "the soft cap's own bound", 2026-12-03).
 # Naming the backend (implementation="pallas_mgpu", the trainer's clis_mgpu) certifies at every length.
 CERTIFY_ON_HOPPER = False
 # From this many keys the block bound pays on Gaussian and pretrained-like inputs alike (BENCHMARKS.md,
@@ -314,8 +317,8 @@ def make_plan(*, dtype, head_dim: int, seq_len: int, value_head_dim: int | None 
     tau = stabilizer_math.default_tau(dtype) if tau is None else tau
     bound = automatic_bound(entry, seq_len=seq_len, causal=causal, packed=packed, separate_ids=separate_ids,
                             window_or_cap=window_or_cap, cap_certifies=stabilizer_math.cap_certifies(softcap, tau))
-  if implementation is None and not entry.certifies_by_default and bound != "cap":
-    stabilizer = "online"  # the automatic choice: this entry's certified loop does not pay after a pre-pass
+  if implementation is None and not entry.certifies_by_default:
+    stabilizer = "online"  # the automatic choice: this entry's certified loop does not pay
   mode = mode_of(stabilizer, bound=bound, granularity=granularity, separate_ids=separate_ids, entry=entry,
                  head_dim=padded_head)
   multiple = max(block_sizes.multiple, backward_block_sizes.multiple)
