@@ -24,7 +24,8 @@
 #                      at D 128 (GQA 32/8) and Gemma 2's D 256 with a 4096 window (GQA 16/8), 8k and 32k, fwd and
 #                      fwd+bwd: clis (the cap's bound), its tensor-core sum, online, the in-kernel radius, tokamax
 #   exp2_fma           the forward's weights 2^x on the FMA units (BlockSizes(weights_exp2="fma")): GPU tests, then
-#                      cap 50 at D 128 (8k, 32k), no cap at D 128 (8k) and Gemma 2's D 256 + window 4096 (8k), fwd
+#                      cap 50 at D 128 (8k, 32k), no cap at D 128 (8k), fwd; WITH_D256=1: Gemma 2's D 256 + window
+#                      4096 (8k) too
 #   context_parallel [N]  context-parallel attention over N GPUs (default 1: the machinery's cost on one) against
 #                      one GPU, CLiS combine against an online ring: causal 32k GQA 32/8 D 128, sinks
 case "$1" in
@@ -105,15 +106,15 @@ case "$1" in
         --passes fwd fwd_bwd --impls clis online tokamax_mosaic --repeats 5 --inner 3 \
         --out "$OUT/cap50_w4096_d256.json" ;;
   exp2_fma)
-    TAIL=6 step exp2_fma_tests 150 timeout -s INT 140 $GPU_TEST tests/test_pallas_mgpu.py -k "fma_exp2"
-    TAIL=12 step exp2_fma_cap50 110 python3 scripts/bench_attention.py --suite llm --seq-lens 8192 32768 \
+    TAIL=6 step exp2_fma_tests 130 timeout -s INT 120 $GPU_TEST tests/test_pallas_mgpu.py -k "fma_exp2"
+    TAIL=12 step exp2_fma_cap50 100 python3 scripts/bench_attention.py --suite llm --seq-lens 8192 32768 \
         --tokens 32768 --softcap 50 --causal yes --packed no --inputs sinks_many --passes fwd \
         --impls online online_exp2_fma clis_cap_exp2_fma tokamax_mosaic --repeats 7 --inner 3 \
         --out "$OUT/exp2_fma_cap50.json"
-    TAIL=6 step exp2_fma_nocap 60 python3 scripts/bench_attention.py --suite llm --seq-lens 8192 --tokens 32768 \
+    TAIL=6 step exp2_fma_nocap 55 python3 scripts/bench_attention.py --suite llm --seq-lens 8192 --tokens 32768 \
         --causal yes --packed no --inputs sinks_many --passes fwd --impls online online_exp2_fma cudnn \
         --repeats 7 --inner 3 --out "$OUT/exp2_fma_nocap.json"
-    TAIL=6 step exp2_fma_d256 80 python3 scripts/bench_attention.py --suite llm --llm-heads 16 8 256 \
+    [ -n "$WITH_D256" ] && TAIL=6 step exp2_fma_d256 80 python3 scripts/bench_attention.py --suite llm --llm-heads 16 8 256 \
         --seq-lens 8192 --tokens 32768 --softcap 50 --window 4096 --causal yes --packed no --inputs sinks_many \
         --passes fwd --impls online online_exp2_fma tokamax_mosaic --repeats 7 --inner 3 \
         --out "$OUT/exp2_fma_d256.json" ;;
