@@ -121,8 +121,8 @@ def _clis_kernel(q, k, v, seg, causal, quick):
 
 
 # What takes --window / --softcap (as jax.nn's local_window_size / logits_soft_cap keywords)
-FEATURED = ("clis", "online", "clis_blocks", "clis_radius", "clis_cap", "clis_mgpu_cap", "clis_cap_tc_sum",
-            "online_exp2_fma", "clis_cap_exp2_fma", "xla", "cudnn", "clis_triton", "online_triton", "clis_mgpu",
+FEATURED = ("clis", "online", "clis_blocks", "clis_radius", "clis_cap", "clis_mgpu_cap", "clis_cap_tc_sum", "xla",
+            "cudnn", "clis_triton", "online_triton", "clis_mgpu",
             "online_mgpu", "clis_mgpu_triton_bwd", "online_mgpu_triton_bwd", "clis_exp2_tanh", "online_exp2_tanh",
             "online_heads1", "online_heads2", "online_heads4", "online_heads8", "tokamax_mosaic", "tokamax_triton")
 
@@ -136,7 +136,7 @@ def feature_kwargs(window, softcap) -> dict:
 CERTIFYING = {"clis": {}, "clis_blocks": dict(bound="blocks"), "clis_radius": dict(bound="radius"),
               "clis_cap": dict(bound="cap"), "clis_mgpu_cap": dict(bound="cap", implementation="pallas_mgpu"),
               "clis_cap_tc_sum": dict(bound="cap", implementation="pallas_mgpu"),
-              "clis_cap_exp2_fma": dict(bound="cap", implementation="pallas_mgpu"), "clis_mgpu": dict(implementation="pallas_mgpu"),
+              "clis_mgpu": dict(implementation="pallas_mgpu"),
               "clis_triton": dict(implementation="pallas_gpu")}
 
 
@@ -203,13 +203,6 @@ def _cap_tc_sum(q, k, v, seg, causal, **kw):
                    block_sizes=dataclasses.replace(tiles, sum_on_tensor_cores=True), **kw)
 
 
-def _exp2_fma(q, k, v, seg, causal, stabilizer, **kw):
-  """The Mosaic GPU forward with the weights' 2^x on the FMA units (BlockSizes(weights_exp2="fma"))."""
-  tiles = pallas_mgpu.default_block_sizes(q.shape[-1], q.shape[1], q.dtype)
-  return attention(q, k, v, seg, causal=causal, stabilizer=stabilizer, implementation="pallas_mgpu",
-                   block_sizes=dataclasses.replace(tiles, weights_exp2="fma"), **kw)
-
-
 def _tokamax_k_start(q, k, v, seg, causal):
   """tokamax's Mosaic GPU flash attention with packed documents as per-row first keys (the trainer's
   attention=tokamax; causal only)."""
@@ -260,8 +253,6 @@ def implementations(names, platform, quick):
       table[f"{stab}_rounded_lse"] = functools.partial(_rounded_lse, stabilizer=stab)
     table["clis_mgpu_cap"] = functools.partial(_named, stabilizer="clis", implementation="pallas_mgpu", bound="cap")
     table["clis_cap_tc_sum"] = _cap_tc_sum
-    table["online_exp2_fma"] = functools.partial(_exp2_fma, stabilizer="online")
-    table["clis_cap_exp2_fma"] = functools.partial(_exp2_fma, stabilizer="clis", bound="cap")
     for heads in (1, 2, 4, 8):
       table[f"online_heads{heads}"] = functools.partial(_heads_per_cta, stabilizer="online", heads=heads)
     table["tokamax_k_start"] = _tokamax_k_start

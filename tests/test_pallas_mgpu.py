@@ -176,21 +176,6 @@ def test_heads_per_cta_gives_clear_errors(heads, kw, message):
 
 
 @pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
-@pytest.mark.parametrize("stabilizer,kw", [("online", {}), ("clis", dict(logits_soft_cap=30.0)),
-                                           ("clis", dict(bound="radius")), ("online", dict(local_window_size=64))])
-def test_fma_exp2_forward_lowers_for_the_gpu(stabilizer, kw):
-  """BlockSizes(weights_exp2="fma"): the weights' 2^x as a polynomial on the FMA units, in every loop (online, the
-  cap's certificate, the in-kernel one, a window band with several heads per CTA)."""
-  q = jax.ShapeDtypeStruct((1, 256, 8, 128), jnp.bfloat16)
-  k = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
-  fwd = lambda q, k, v: attention(q, k, v, causal=True, implementation="pallas_mgpu", platform=HOPPER,
-                                  stabilizer=stabilizer, block_sizes=pallas_mgpu.BlockSizes(weights_exp2="fma"), **kw)
-  assert lower_for_h200(fwd, q, k, k).count("custom_call @mosaic_gpu") == 1
-  with pytest.raises(ValueError, match="weights_exp2='ex2' must be one of"):
-    pallas_mgpu.BlockSizes(weights_exp2="ex2")
-
-
-@pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
 @pytest.mark.parametrize("packed", [False, True])
 def test_triton_backward_lowers_for_the_gpu(packed):
   """implementation="pallas_mgpu_triton_bwd": the Mosaic forward with pallas_gpu's Triton backward."""
@@ -619,33 +604,6 @@ def test_window_and_soft_cap_match_float64_on_gpu(case, tanh):
     assert max(errors[label]) < TOLERANCE[jnp.bfloat16][1], (label, errors)
     for mosaic, triton in zip(errors[label], errors["triton"]):
       assert mosaic <= CLIS_VS_ONLINE * triton, (label, errors)
-
-
-FMA_EXP2_CASES = [
-    ("causal_gqa4_d128", 2048, 8, 2, 128, True, False, {}),
-    ("causal_cap50_d128", 1024, 8, 2, 128, True, False, dict(logits_soft_cap=50.0)),
-    ("causal_packed_window_d64", 1000, 8, 2, 64, True, True, dict(local_window_size=250)),
-    ("bidir_odd_d64", 900, 4, 4, 64, False, False, {}),
-]
-
-
-@needs_gpu
-@pytest.mark.parametrize("case", FMA_EXP2_CASES, ids=[c[0] for c in FMA_EXP2_CASES])
-def test_fma_exp2_matches_float64_on_gpu(case):
-  """The weights' 2^x on the FMA units (BlockSizes(weights_exp2="fma")): the online loop and the certified one
-  against float64, forward and gradients (the backward recomputes P with ex2 from this forward's lse), each within
-  CLIS_VS_ONLINE of ex2's error; NaN-free with masked keys, windows and padding rows."""
-  name, seq, hq, hkv, d, causal, packed, kw = case
-  q, k, v, do, seg, want = _float64_case(name, seq, hq, hkv, d, d, causal, packed, kw)
-  errors = {}
-  for stabilizer in ("online", "clis"):
-    for exp2 in ("mufu", "fma"):
-      errors[stabilizer, exp2] = _errors_against_float64(
-          want, q, k, v, do, seg, causal=causal, implementation="pallas_mgpu", stabilizer=stabilizer,
-          block_sizes=pallas_mgpu.BlockSizes(weights_exp2=exp2), **kw)[0]
-  for stabilizer in ("online", "clis"):
-    for fma, mufu in zip(errors[stabilizer, "fma"], errors[stabilizer, "mufu"]):
-      assert fma <= CLIS_VS_ONLINE * mufu, (stabilizer, errors)
 
 
 @needs_gpu

@@ -62,9 +62,6 @@ FAILED_TILE_M = 1e30  # M sent for rows of a tile the XLA certificate failed (re
 ONLINE_FLOOR = -1e20  # the online loop's starting max (base 2): below any real logit
 LIST_COLUMNS = 128  # a kept-tile list lies in rows of this many entries (one TMA box holds <= 256 per dimension)
 TANHS = ("approx", "exp2")  # BlockSizes.soft_cap_tanh
-EXP2S = ("mufu", "fma")  # BlockSizes.weights_exp2
-# 2^f on [−1/2, 1/2], a degree-3 fit of least maximum relative error (7.5e-5; P rounds to bf16's 2^-9)
-EXP2_POLY = (0.99992818, 0.69326097, 0.24260952, 0.05517101)
 TANH_ERROR = {"approx": CAP_TANH_ERROR, "exp2": 2.0**-20}  # above twice each one's largest absolute error in tanh
 SUM_COLUMNS = 16  # columns of the ones tile the tensor-core sum multiplies by (32-byte rows: wgmma's least swizzle)
 
@@ -96,9 +93,6 @@ class BlockSizes:
   soft_cap_tanh: how logits_soft_cap's tanh is computed (`cap_tanh`): "approx" (tanh.approx.f32, one instruction)
   or "exp2" (from ex2 and rsqrt, float32-accurate); the backward's BlockSizes has the same field, and both should
   agree.
-  weights_exp2: how the loop's weights 2^(t − m) are computed (`weights_exp2`): "mufu" (ex2.approx, the special
-  function unit) or "fma" (a polynomial on the FMA units, FlashAttention-4's trick, where a soft cap's tanh
-  already keeps the special function unit busy). The backward and the rescale factors keep ex2.
   heads_per_cta: query heads of one GQA group a CTA walks one after another (the online loop only): the memory
   warpgroup streams the same K/V blocks for each, and each head's q tile is loaded while the one before runs. For
   calls with few KV blocks per CTA, where a CTA's fixed costs (launch, first loads, the epilogue's store) are not
@@ -118,15 +112,12 @@ class BlockSizes:
   document_ranges: bool = True
   soft_cap_tanh: str = "approx"
   heads_per_cta: int | None = None
-  weights_exp2: str = "mufu"
 
   def __post_init__(self):
     if self.heads_per_cta is not None and self.heads_per_cta < 1:
       raise ValueError(f"{self.heads_per_cta=} must be at least 1")
     if self.soft_cap_tanh not in TANHS:
       raise ValueError(f"{self.soft_cap_tanh=} must be one of {TANHS} (cap_tanh says what each costs)")
-    if self.weights_exp2 not in EXP2S:
-      raise ValueError(f"{self.weights_exp2=} must be one of {EXP2S} (weights_exp2 says what each costs)")
     if self.sum_on_tensor_cores and (not self.exact_sum or self.overlap):
       raise ValueError("sum_on_tensor_cores=True sums the rounded weights (exact_sum=True) in the ping-pong step "
                        "(overlap=False)")
@@ -232,7 +223,6 @@ class _Config:
   cap2: float | None = None  # base-2 soft cap c·log2 e of c·tanh(s / c), or None
   tanh: str = "approx"  # BlockSizes.soft_cap_tanh
   heads: int = 1  # BlockSizes.heads_per_cta
-  exp2: str = "mufu"  # BlockSizes.weights_exp2
 
   @property
   def logit_scale(self) -> float:
@@ -752,23 +742,6 @@ def cap_tanh(x, how: str):
   return 1.0 - 2.0 * (r * r)
 
 
-def weights_exp2(x, how: str):
-  """2^x, x <= 127, for the loop's weights (BlockSizes.weights_exp2). "mufu": ex2.approx (~2^-22 relative), one
-  special-function-unit instruction. "fma": x = n + f, n = round(x) by adding and subtracting 1.5·2^23 (exact in f32;
-  the sum's low bits hold n), 2^f by EXP2_POLY (three FMAs), times 2^n built from n's bits; no conversion
-  instructions (those run at the special function unit's rate). Below −126 (masked keys are −inf) it gives 0 or a
-  value under 2^-126, as ex2's flush to zero; NaN stays NaN."""
-  if how == "mufu":
-    return jnp.exp2(x)
-  x = jnp.maximum(x, -127.0)  # n >= −127, whose 2^n below is 0.0
-  rounded = x + 12582912.0  # 1.5·2^23: rounds x to an integer n, which the low mantissa bits hold
-  f = x - (rounded - 12582912.0)
-  c0, c1, c2, c3 = EXP2_POLY
-  two_n = lax.bitcast_convert_type(lax.shift_left(lax.bitcast_convert_type(rounded, jnp.int32), jnp.int32(23))
-                                   + jnp.int32(127 << 23), jnp.float32)  # n's bits into the exponent field
-  return (c0 + f * (c1 + f * (c2 + f * c3))) * two_n
-
-
 def _capped(c: _Config, qk):
   """Q·Kᵀ as the loop takes it: `c.logit_scale` times the result is the base-2 logit, σ₂·qk, or with a soft cap
   cap2·tanh(σ₂·qk / cap2) (stabilizer.soft_cap; the result is then the tanh, as tokamax's). Before the mask: tanh
@@ -795,7 +768,7 @@ def _step(c: _Config, s: _Scratch, ss, r: _Rows, fixed: bool, m0, i, carry, mask
   if c.track:
     _record_row_max(c, r, i, row_max)
   if fixed:  # the certified step: no max, no rescale
-    p = weights_exp2(qk * c.logit_scale - lax.broadcast_in_dim(m, qk.shape, [0]), c.exp2)
+    p = jnp.exp2(qk * c.logit_scale - lax.broadcast_in_dim(m, qk.shape, [0]))
     p_low = p.astype(r.dtype)
     if not c.exact_sum:
       l = l + p.sum(axis=1)  # the unrounded weights: see the module docstring
@@ -804,7 +777,7 @@ def _step(c: _Config, s: _Scratch, ss, r: _Rows, fixed: bool, m0, i, carry, mask
   else:
     m_new = jnp.maximum(m, row_max)
     alpha = jnp.exp2(m - m_new)
-    p = weights_exp2(qk * c.logit_scale - lax.broadcast_in_dim(m_new, qk.shape, [0]), c.exp2)
+    p = jnp.exp2(qk * c.logit_scale - lax.broadcast_in_dim(m_new, qk.shape, [0]))
     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
     l = l * alpha + p.sum(axis=1)
     m, p_low = m_new, p.astype(r.dtype)
@@ -852,7 +825,7 @@ def _overlapped_step(c: _Config, s: _Scratch, ss, r: _Rows, m0, i, carry, masked
       plgpu.barrier_wait(s.k_ready.at[nxt])
       plgpu.wgmma(next_ref, r.q_smem, s.k.at[nxt].T)
 
-    p = weights_exp2(qk * c.logit_scale - lax.broadcast_in_dim(m0, qk.shape, [0]), c.exp2)
+    p = jnp.exp2(qk * c.logit_scale - lax.broadcast_in_dim(m0, qk.shape, [0]))
     p_low = p.astype(r.dtype)
     new_l = l + (p_low.astype(jnp.float32) if c.exact_sum else p).sum(axis=1)
     new_lse = l_lse + p.sum(axis=1) if c.lse_sum else None
@@ -1011,7 +984,7 @@ def _launch(q, k, v, segment_ids, stab, *, mode: Mode, causal, scale, kv_len, bl
       track=track and visit is not None, list_width=0 if visit is None else visit.shape[-1],
       doc_ranges=bs.document_ranges and causal and segment_ids is not None and visit is None and window is None,
       window=None if window is None else tuple(int(w) for w in window),
-      cap2=None if softcap is None else float(softcap) * LOG2E, tanh=bs.soft_cap_tanh, exp2=bs.weights_exp2)
+      cap2=None if softcap is None else float(softcap) * LOG2E, tanh=bs.soft_cap_tanh)
   heads = bs.heads_per_cta
   if heads is None:
     heads = auto_heads_per_cta(mode=mode, group=config.group, window=config.window, listed=config.listed,

@@ -23,9 +23,6 @@
 #   soft_cap           the soft cap's own bound (bound="cap", no pre-pass): GPU tests of the cap cases, then cap 50
 #                      at D 128 (GQA 32/8) and Gemma 2's D 256 with a 4096 window (GQA 16/8), 8k and 32k, fwd and
 #                      fwd+bwd: clis (the cap's bound), its tensor-core sum, online, the in-kernel radius, tokamax
-#   exp2_fma           the forward's weights 2^x on the FMA units (BlockSizes(weights_exp2="fma")): GPU tests, then
-#                      cap 50 at D 128 (8k, 32k), no cap at D 128 (8k), fwd; WITH_D256=1: Gemma 2's D 256 + window
-#                      4096 (8k) too
 #   context_parallel [N]  context-parallel attention over N GPUs (default 1: the machinery's cost on one) against
 #                      one GPU, CLiS combine against an online ring: causal 32k GQA 32/8 D 128, sinks
 case "$1" in
@@ -105,23 +102,10 @@ case "$1" in
         --seq-lens 8192 32768 --tokens 32768 --softcap 50 --window 4096 --causal yes --packed no --inputs sinks_many \
         --passes fwd fwd_bwd --impls clis online tokamax_mosaic --repeats 5 --inner 3 \
         --out "$OUT/cap50_w4096_d256.json" ;;
-  exp2_fma)
-    TAIL=6 step exp2_fma_tests 130 timeout -s INT 120 $GPU_TEST tests/test_pallas_mgpu.py -k "fma_exp2"
-    TAIL=12 step exp2_fma_cap50 100 python3 scripts/bench_attention.py --suite llm --seq-lens 8192 32768 \
-        --tokens 32768 --softcap 50 --causal yes --packed no --inputs sinks_many --passes fwd \
-        --impls online online_exp2_fma clis_cap_exp2_fma tokamax_mosaic --repeats 7 --inner 3 \
-        --out "$OUT/exp2_fma_cap50.json"
-    TAIL=6 step exp2_fma_nocap 55 python3 scripts/bench_attention.py --suite llm --seq-lens 8192 --tokens 32768 \
-        --causal yes --packed no --inputs sinks_many --passes fwd --impls online online_exp2_fma cudnn \
-        --repeats 7 --inner 3 --out "$OUT/exp2_fma_nocap.json"
-    [ -n "$WITH_D256" ] && TAIL=6 step exp2_fma_d256 80 python3 scripts/bench_attention.py --suite llm --llm-heads 16 8 256 \
-        --seq-lens 8192 --tokens 32768 --softcap 50 --window 4096 --causal yes --packed no --inputs sinks_many \
-        --passes fwd --impls online online_exp2_fma tokamax_mosaic --repeats 7 --inner 3 \
-        --out "$OUT/exp2_fma_d256.json" ;;
   context_parallel)
     TAIL=12 step "context_parallel_${2:-1}" 300 python3 scripts/bench_context_parallel.py --seq 32768 \
         --heads 32 8 128 --context "${2:-1}" --family sinks_many --repeats 5 --inner 3 \
         --out "$OUT/context_parallel_${2:-1}.json" ;;
   *) echo "usage: bench_kernels.sh bwd_parts|llm_d128|llm_d64|sweep FAMILY PACKED|bidir FAMILY|diffusion|mla|"\
-"mla_bwd_parts|mla_batch|delta_pass|lse FAMILY|d256|heads_per_cta|certify_rule FAMILY|soft_cap|exp2_fma|context_parallel [N]"; exit 2 ;;
+"mla_bwd_parts|mla_batch|delta_pass|lse FAMILY|d256|heads_per_cta|certify_rule FAMILY|soft_cap|context_parallel [N]"; exit 2 ;;
 esac
