@@ -66,7 +66,8 @@ whatever q and k, once 2c·log2 e ≤ min(τ·log2 e, h + T), i.e. c ≤ τ/2 (3
 64 at bf16's τ = 128, within bf16's h + T): Gemma 2's c = 50 then certifies every bf16 tile.
 
 The cap alone is then a bound: U = c·log2 e, L = −U for every row (widened by CAP_TANH_ERROR·c·log2 e for the
-kernels' one-instruction tanh), with no pre-pass over q or K (`certify_cap`, bound="cap"); only h needs max |v|.
+kernels' one-instruction tanh, so c up to τ/2 less that margin), with no pre-pass over q or K (`certify_cap`,
+bound="cap"); only h needs max |v|.
 
 Stabilizer. The kernel uses M_i = max(L_i, U_i − h), so every weight is 2^(t − M) ≤ 2^h,
 and the dominant one is ≥ 1 when M_i = L_i. Taking L_i when it is larger keeps the
