@@ -286,9 +286,8 @@ def key_bounds(k, v, segment_ids: masks.SegmentIds | None, *, causal: bool, tau:
   else:  # every tile sees every block
     radius = per_block.max(-1, keepdims=True)
 
-  headroom, floor = headroom_and_floor(v, segment_ids=segment_ids, seq_len=seq_len)
-  return KeyBounds(centre=centre, radius=radius, headroom=headroom,
-                   threshold=jnp.minimum(tau * LOG2E, headroom + floor))
+  headroom, threshold = headroom_and_threshold(v, segment_ids=segment_ids, seq_len=seq_len, tau=tau)
+  return KeyBounds(centre=centre, radius=radius, headroom=headroom, threshold=threshold)
 
 
 def soft_cap(t, cap2: float | None):
@@ -340,6 +339,12 @@ def headroom_and_floor(v, *, segment_ids, seq_len: int):
   key_valid = masks.key_is_real(segment_ids, v.shape[1], seq_len)
   vmax = jnp.where(key_valid[..., None, None], jnp.abs(v.astype(jnp.float32)), 0.0).max(axis=(1, 3))
   return headroom_from(vmax, v.dtype, seq_len=seq_len)
+
+
+def headroom_and_threshold(v, *, segment_ids, seq_len: int, tau: float):
+  """(h, min(τ·log2 e, h + T)) [B, Hkv] each: the headroom and the largest certifiable gap U − L, from v and τ."""
+  headroom, floor = headroom_and_floor(v, segment_ids=segment_ids, seq_len=seq_len)
+  return headroom, jnp.minimum(tau * LOG2E, headroom + floor)
 
 
 def headroom_from(vmax, dtype, *, seq_len: int):
@@ -588,9 +593,9 @@ def certify_blocks(q, k, v, segment_ids, *, causal: bool, scale: float, tau: flo
   else:
     upper, lower = (soft_cap(x, cap2) for x in row_bounds_kernel(q, k, segment_ids, bounds, causal=causal, scale=scale,
                                                                  block=key_block, kv_len=kv_seq_len))
-  headroom, floor = headroom_and_floor(v, segment_ids=segment_ids, seq_len=kv_seq_len)
-  return certificate_of(upper, lower, headroom, jnp.minimum(tau * LOG2E, headroom + floor), segment_ids,
-                      block_q=block_q, seq_len=seq_len, granularity=granularity)
+  headroom, threshold = headroom_and_threshold(v, segment_ids=segment_ids, seq_len=kv_seq_len, tau=tau)
+  return certificate_of(upper, lower, headroom, threshold, segment_ids, block_q=block_q, seq_len=seq_len,
+                        granularity=granularity)
 
 
 def cap_certifies(softcap: float | None, tau: float) -> bool:
@@ -610,6 +615,7 @@ def certify_cap(v, segment_ids, *, num_heads: int, q_len: int, softcap: float, t
   kv_seq_len = seq_len if kv_seq_len is None else kv_seq_len
   bound = softcap * LOG2E * (1.0 + CAP_TANH_ERROR)
   upper = jnp.full((v.shape[0], num_heads, q_len), bound, jnp.float32)
-  headroom, floor = headroom_and_floor(jax.lax.stop_gradient(v), segment_ids=segment_ids, seq_len=kv_seq_len)
-  return certificate_of(upper, -upper, headroom, jnp.minimum(tau * LOG2E, headroom + floor), segment_ids,
-                        block_q=block_q, seq_len=seq_len, granularity=granularity)
+  headroom, threshold = headroom_and_threshold(jax.lax.stop_gradient(v), segment_ids=segment_ids, seq_len=kv_seq_len,
+                                               tau=tau)
+  return certificate_of(upper, -upper, headroom, threshold, segment_ids, block_q=block_q, seq_len=seq_len,
+                        granularity=granularity)
