@@ -124,8 +124,7 @@ def _clis_kernel(q, k, v, seg, causal, quick):
 FEATURED = ("clis", "online", "clis_blocks", "clis_radius", "clis_cap", "clis_mgpu_cap", "clis_cap_tc_sum", "xla",
             "cudnn", "clis_triton", "online_triton", "clis_mgpu",
             "online_mgpu", "clis_mgpu_triton_bwd", "online_mgpu_triton_bwd", "clis_exp2_tanh", "online_exp2_tanh",
-            "online_heads1", "online_heads2", "online_heads4", "online_heads8", "online_read_wait", "tokamax_mosaic",
-            "tokamax_triton")
+            "online_heads1", "online_heads2", "online_heads4", "online_heads8", "tokamax_mosaic", "tokamax_triton")
 
 
 def feature_kwargs(window, softcap) -> dict:
@@ -187,16 +186,6 @@ def _heads_per_cta(q, k, v, seg, causal, stabilizer, heads, **kw):
   """The Mosaic GPU forward with each CTA walking `heads` query heads of a GQA group (BlockSizes(heads_per_cta))."""
   return attention(q, k, v, seg, causal=causal, stabilizer=stabilizer, implementation="pallas_mgpu",
                    block_sizes=pallas_mgpu.BlockSizes(heads_per_cta=heads), **kw)
-
-
-def _read_wait(q, k, v, seg, causal, **kw):
-  """The online Mosaic GPU kernels at their default tiles, each epilogue waiting only for its stores' shared-memory
-  reads (BlockSizes(read_only_store_wait=True), forward and backward)."""
-  forward = pallas_mgpu.default_block_sizes(q.shape[-1], q.shape[1], q.dtype)
-  backward = pallas_mgpu_vjp.default_block_sizes(q.shape[-1], q.shape[1], q.dtype)
-  return attention(q, k, v, seg, causal=causal, stabilizer="online", implementation="pallas_mgpu",
-                   block_sizes=dataclasses.replace(forward, read_only_store_wait=True),
-                   backward_block_sizes=dataclasses.replace(backward, read_only_store_wait=True), **kw)
 
 
 def _rounded_lse(q, k, v, seg, causal, stabilizer):
@@ -264,7 +253,6 @@ def implementations(names, platform, quick):
       table[f"{stab}_rounded_lse"] = functools.partial(_rounded_lse, stabilizer=stab)
     table["clis_mgpu_cap"] = functools.partial(_named, stabilizer="clis", implementation="pallas_mgpu", bound="cap")
     table["clis_cap_tc_sum"] = _cap_tc_sum
-    table["online_read_wait"] = _read_wait
     for heads in (1, 2, 4, 8):
       table[f"online_heads{heads}"] = functools.partial(_heads_per_cta, stabilizer="online", heads=heads)
     table["tokamax_k_start"] = _tokamax_k_start

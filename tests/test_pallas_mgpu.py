@@ -818,63 +818,6 @@ def test_heads_per_cta_changes_nothing_on_gpu(causal, seq, d, packed, kw, heads)
   assert ref.rel_err(got[heads], want) < TOLERANCE[jnp.bfloat16][0]
 
 
-# (causal, seq, (hq, hkv, d, dv), packed, features, stabilizer, fused dQ): every epilogue (the forward; the
-# two-kernel, fused and wide backwards; MLA's split dims), online and certified, with a cap, a window, documents
-STORE_WAIT_CASES = [
-    (True, 256, (4, 2, 128, 128), False, {}, dict(stabilizer="online"), False),
-    (True, 256, (4, 2, 128, 128), True, {}, dict(bound="radius"), True),
-    (True, 200, (4, 2, 64, 64), True, dict(logits_soft_cap=30.0), dict(stabilizer="online"), True),
-    (False, 256, (4, 4, 256, 256), False, dict(local_window_size=(64, 96)), dict(stabilizer="online"), False),
-    (True, 256, (4, 4, 192, 128), False, {}, dict(stabilizer="online"), False),
-    (True, 256, (8, 2, 64, 64), False, dict(local_window_size=128), dict(stabilizer="online"), True),
-]
-
-
-def _store_wait_call(causal, seg, kw, stabilizer, fused, read_only, d):
-  tiles = dataclasses.replace(pallas_mgpu.default_block_sizes(d, 256, jnp.bfloat16), read_only_store_wait=read_only)
-  backward = pallas_mgpu_vjp.BlockSizes(fused_dq=fused, read_only_store_wait=read_only)
-  return lambda q, k, v: attention(q, k, v, seg, causal=causal, implementation="pallas_mgpu", platform=HOPPER,
-                                   block_sizes=tiles, backward_block_sizes=backward, **stabilizer, **kw)
-
-
-@pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
-@pytest.mark.parametrize("causal,seq,heads,packed,kw,stabilizer,fused", STORE_WAIT_CASES)
-def test_read_only_store_wait_lowers_for_the_gpu(causal, seq, heads, packed, kw, stabilizer, fused):
-  """BlockSizes(read_only_store_wait=True), forward and backward: every kernel lowers for an H200."""
-  hq, hkv, d, dv = heads
-  q = jax.ShapeDtypeStruct((1, seq, hq, d), jnp.bfloat16)
-  k = jax.ShapeDtypeStruct((1, seq, hkv, d), jnp.bfloat16)
-  v = jax.ShapeDtypeStruct((1, seq, hkv, dv), jnp.bfloat16)
-  seg = jax.ShapeDtypeStruct((1, seq), jnp.int32) if packed else None
-  f = lambda q, k, v, seg: _store_wait_call(causal, seg, kw, stabilizer, fused, True, d)(q, k, v).sum()
-  assert lower_for_h200(jax.grad(f, argnums=(0, 1, 2)), q, k, v, seg).count("custom_call @mosaic_gpu") >= 2
-
-
-@needs_gpu
-@pytest.mark.parametrize("causal,seq,heads,packed,kw,stabilizer,fused", STORE_WAIT_CASES)
-def test_read_only_store_wait_changes_nothing_on_gpu(causal, seq, heads, packed, kw, stabilizer, fused):
-  """Waiting for the stores' shared-memory reads only: o, dK and dV bit-identical to waiting for the global writes
-  (dQ too where the backward is deterministic; the fused one reduce-adds its parts in no fixed order, and the
-  last of them must still land before the call returns), every output against float64."""
-  hq, hkv, d, dv = heads
-  seq = seq * 8
-  q, k, v, do, _ = testing.inputs("sinks_many", 1, seq, hq, hkv, d)
-  v, do = v[..., :dv], do[..., :dv]
-  seg = packed_segments(seq + d, 1, seq) if packed else None
-  got = {}
-  for read_only in (False, True):
-    o, vjp = jax.vjp(_store_wait_call(causal, seg, kw, stabilizer, fused, read_only, d), q, k, v)
-    got[read_only] = (o, *vjp(do))
-  for name, a, b in zip(("o", "dq", "dk", "dv"), got[True], got[False]):
-    if name != "dq" or not (fused or d <= pallas_mgpu_vjp.FUSED_MAX_HEAD_DIM):
-      np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)), name)
-  window = masks.as_window(kw.get("local_window_size"), causal=causal)
-  want = ref.attention(q, k, v, do, seg, causal=causal, window=window, softcap=kw.get("logits_soft_cap"))
-  fwd_tol, grad_tol = TOLERANCE[jnp.bfloat16]
-  for i in range(4):
-    assert ref.rel_err(got[True][i], want[i]) < (fwd_tol if i == 0 else grad_tol), i
-
-
 @needs_gpu
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("ranges", [False, True])

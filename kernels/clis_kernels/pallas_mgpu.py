@@ -43,8 +43,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from clis_kernels import masks
-from clis_kernels.mgpu_pipeline import (COMPUTE_WARPGROUPS, RANGE_WIDTH, cta_first_row, kv_blocks, range_scratch,
-                                        read_range_entry, stream_kv, swizzled)
+from clis_kernels.mgpu_pipeline import (COMPUTE_WARPGROUPS, RANGE_WIDTH, cta_first_row, finish_stores, kv_blocks,
+                                        range_scratch, read_range_entry, stream_kv, swizzled)
 from clis_kernels.common import int32_loop, out_struct
 from clis_kernels.plan import Mode, stabilizer_inputs
 from clis_kernels.stabilizer import CAP_TANH_ERROR, EMPTY_LSE, LOG2E, Certificate, KeyBounds, row_bounds, stabilize
@@ -97,8 +97,6 @@ class BlockSizes:
   warpgroup streams the same K/V blocks for each, and each head's q tile is loaded while the one before runs. For
   calls with few KV blocks per CTA, where a CTA's fixed costs (launch, first loads, the epilogue's store) are not
   hidden behind its loop. None (default): `auto_heads_per_cta`.
-  read_only_store_wait: the epilogue waits only until its TMA stores have read shared memory (what the CTA needs
-  before it ends), not until they have written global memory (tokamax's and CUTLASS's epilogue wait).
   The backward is the registry's choice (plan.py): "pallas_mgpu" takes pallas_mgpu_vjp's,
   "pallas_mgpu_triton_bwd" pallas_gpu_vjp's, each with its own BlockSizes.
   """
@@ -114,7 +112,6 @@ class BlockSizes:
   document_ranges: bool = True
   soft_cap_tanh: str = "approx"
   heads_per_cta: int | None = None
-  read_only_store_wait: bool = False
 
   def __post_init__(self):
     if self.heads_per_cta is not None and self.heads_per_cta < 1:
@@ -226,7 +223,6 @@ class _Config:
   cap2: float | None = None  # base-2 soft cap c·log2 e of c·tanh(s / c), or None
   tanh: str = "approx"  # BlockSizes.soft_cap_tanh
   heads: int = 1  # BlockSizes.heads_per_cta
-  read_only_wait: bool = False  # BlockSizes.read_only_store_wait
 
   @property
   def logit_scale(self) -> float:
@@ -878,7 +874,7 @@ def _epilogue(c: _Config, g: _Refs, s: _Scratch, r: _Rows, acc, m, l, l_lse=None
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(r.o_smem, g.o.at[r.batch, pl.ds(r.row0, c.block_q), r.head])
   plgpu.copy_smem_to_gmem(r.rows, g.lse.at[r.batch, r.head, pl.ds(r.row0, c.block_q)])
-  plgpu.wait_smem_to_gmem(0, wait_read_only=c.read_only_wait)
+  finish_stores()
 
 
 def _per_row(x, *, tile: int, seq: int):
@@ -988,8 +984,7 @@ def _launch(q, k, v, segment_ids, stab, *, mode: Mode, causal, scale, kv_len, bl
       track=track and visit is not None, list_width=0 if visit is None else visit.shape[-1],
       doc_ranges=bs.document_ranges and causal and segment_ids is not None and visit is None and window is None,
       window=None if window is None else tuple(int(w) for w in window),
-      cap2=None if softcap is None else float(softcap) * LOG2E, tanh=bs.soft_cap_tanh,
-      read_only_wait=bs.read_only_store_wait)
+      cap2=None if softcap is None else float(softcap) * LOG2E, tanh=bs.soft_cap_tanh)
   heads = bs.heads_per_cta
   if heads is None:
     heads = auto_heads_per_cta(mode=mode, group=config.group, window=config.window, listed=config.listed,

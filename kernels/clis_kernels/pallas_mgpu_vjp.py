@@ -27,8 +27,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from clis_kernels import masks
-from clis_kernels.mgpu_pipeline import (COMPUTE_WARPGROUPS, RANGE_WIDTH, cta_first_row, kv_blocks, range_scratch,
-                                        read_range_entry, stream_blocks, stream_kv, swizzled)
+from clis_kernels.mgpu_pipeline import (COMPUTE_WARPGROUPS, RANGE_WIDTH, cta_first_row, finish_stores, kv_blocks,
+                                        range_scratch, read_range_entry, stream_blocks, stream_kv, swizzled)
 from clis_kernels.common import int32_loop, out_struct
 from clis_kernels.pallas_mgpu import SPLIT_HEAD_DIMS, TANHS, cap_tanh, first_kv_blocks
 from clis_kernels.stabilizer import LOG2E
@@ -54,16 +54,13 @@ class BlockSizes:
   so each step adds a [64, 64] f32 part per warpgroup instead of [64, 128] (half the reduce-add bytes, half the
   dQ accumulator's registers, half the staging memory). Both warpgroups then walk the CTA's steps in lockstep
   (one 2-arrival barrier per step). Opt-in until timed on the H200.
-  soft_cap_tanh: logits_soft_cap's tanh, as the forward's BlockSizes field of that name (they should agree).
-  read_only_store_wait: each kernel's epilogue waits only until its TMA stores (and dQ's reduce-adds) have read
-  shared memory, not until they reach global memory, as the forward's field of that name."""
+  soft_cap_tanh: logits_soft_cap's tanh, as the forward's BlockSizes field of that name (they should agree)."""
 
   slots: int = 2
   fused_dq: bool = False
   document_ranges: bool = True
   split_dq: bool = False
   soft_cap_tanh: str = "approx"
-  read_only_store_wait: bool = False
 
   def __post_init__(self):
     if self.soft_cap_tanh not in TANHS:
@@ -109,8 +106,7 @@ def _capped(s, sigma2: float, cap2, tanh: str):
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, sigma2, scale, slots, kv_len,
-               group, has_segments, doc_ranges: bool = False, window=None, cap2=None, tanh: str = "approx",
-               read_only_wait: bool = False):
+               group, has_segments, doc_ranges: bool = False, window=None, cap2=None, tanh: str = "approx"):
   qseg_ref = kseg_ref = range_ref = None
   if has_segments:
     (qseg_ref, kseg_ref), refs = refs[:2], refs[2:]
@@ -219,7 +215,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, s
       q_smem.at[wg][...] = (acc * scale).astype(dtype)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(q_smem.at[wg], dq_ref.at[batch, rows, head])
-      plgpu.wait_smem_to_gmem(0, wait_read_only=read_only_wait)
+      finish_stores()
 
     @pl.when(wg == COMPUTE_WARPGROUPS)
     def _memory():
@@ -260,7 +256,7 @@ def _q_blocks(kv0, rows, *, causal: bool, num_q_blocks: int):
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, sigma2, scale, slots, group,
                 has_segments, fused_dq: bool = False, split_dq: bool = False, doc_ranges: bool = False, window=None,
-                cap2=None, tanh: str = "approx", read_only_wait: bool = False):
+                cap2=None, tanh: str = "approx"):
   qseg_ref = kseg_ref = dq_ref = range_ref = None
   if has_segments:
     (qseg_ref, kseg_ref), refs = refs[:2], refs[2:]
@@ -391,7 +387,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(k_smem.at[wg], dk_ref.at[batch, rows, kv_head])
       plgpu.copy_smem_to_gmem(v_smem.at[wg], dv_ref.at[batch, rows, kv_head])
-      plgpu.wait_smem_to_gmem(0, wait_read_only=read_only_wait)  # also the last dQ adds
+      finish_stores()  # the last dQ adds too
 
     @pl.when(wg == COMPUTE_WARPGROUPS)
     def _memory():
@@ -585,8 +581,7 @@ class Launches:
     self.common = dict(causal=causal, sigma2=scale * LOG2E, scale=scale, slots=block_sizes.slots,
                        group=num_heads // num_kv_heads, has_segments=segment_ids is not None, doc_ranges=doc_ranges,
                        window=None if window is None else tuple(int(w) for w in window),
-                       cap2=None if softcap is None else float(softcap) * LOG2E, tanh=block_sizes.soft_cap_tanh,
-                       read_only_wait=block_sizes.read_only_store_wait)
+                       cap2=None if softcap is None else float(softcap) * LOG2E, tanh=block_sizes.soft_cap_tanh)
     self.dq_args, self.dkv_args = args, args
     cta_rows = ROWS if self.wide else COMPUTE_WARPGROUPS * ROWS  # the wide kernels' warpgroups share their rows
     if doc_ranges:

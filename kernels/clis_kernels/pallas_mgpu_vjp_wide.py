@@ -26,8 +26,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from clis_kernels import masks
 from clis_kernels.common import int32_loop
-from clis_kernels.mgpu_pipeline import (COMPUTE_WARPGROUPS, kv_blocks, range_scratch, read_range_entry, stream_kv,
-                                        swizzled)
+from clis_kernels.mgpu_pipeline import (COMPUTE_WARPGROUPS, finish_stores, kv_blocks, range_scratch, read_range_entry,
+                                        stream_kv, swizzled)
 from clis_kernels.pallas_mgpu_vjp import (COL, ROW, ROWS, _capped, _masked, _q_blocks, _stream_query_blocks,
                                          _walk_q_blocks)
 
@@ -46,8 +46,7 @@ def _hand_over(p_smem, ds_smem, p_low, ds_low, handed, taken):
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, sigma2, scale, slots, group,
-                has_segments, doc_ranges: bool = False, window=None, cap2=None, tanh: str = "approx",
-                read_only_wait: bool = False):
+                has_segments, doc_ranges: bool = False, window=None, cap2=None, tanh: str = "approx"):
   qseg_ref = kseg_ref = range_ref = None
   if has_segments:
     (qseg_ref, kseg_ref), refs = refs[:2], refs[2:]
@@ -98,7 +97,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(k_smem.at[h], dk_ref.at[batch, rows, kv_head, pl.ds(h * half, half)])
       plgpu.copy_smem_to_gmem(v_smem.at[h], dv_ref.at[batch, rows, kv_head, pl.ds(h * value_half, value_half)])
-      plgpu.wait_smem_to_gmem(0, wait_read_only=read_only_wait)
+      finish_stores()
 
     @pl.when(wg == SCORES)
     def _scores():
@@ -221,8 +220,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, sigma2, scale, slots, kv_len,
-               group, has_segments, doc_ranges: bool = False, window=None, cap2=None, tanh: str = "approx",
-               read_only_wait: bool = False):
+               group, has_segments, doc_ranges: bool = False, window=None, cap2=None, tanh: str = "approx"):
   qseg_ref = kseg_ref = range_ref = None
   if has_segments:
     (qseg_ref, kseg_ref), refs = refs[:2], refs[2:]
@@ -272,7 +270,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, s
       q_smem.at[h][...] = (dq * scale).astype(dtype)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(q_smem.at[h], dq_ref.at[batch, rows, head, pl.ds(h * half, half)])
-      plgpu.wait_smem_to_gmem(0, wait_read_only=read_only_wait)
+      finish_stores()
 
     zeros = plgpu.layout_cast(jnp.zeros((ROWS, half), jnp.float32), plgpu.Layout.WGMMA)
 

@@ -23,8 +23,6 @@
 #   soft_cap           the soft cap's own bound (bound="cap", no pre-pass): GPU tests of the cap cases, then cap 50
 #                      at D 128 (GQA 32/8) and Gemma 2's D 256 with a 4096 window (GQA 16/8), 8k and 32k, fwd and
 #                      fwd+bwd: clis (the cap's bound), its tensor-core sum, online, the in-kernel radius, tokamax
-#   read_wait          every epilogue waiting only for its stores' shared-memory reads (read_only_store_wait): GPU
-#                      tests, then D 128 (GQA 32/8) and gpt-oss's window 128 (GQA 64/8 D 64), fwd and fwd+bwd
 #   context_parallel [N]  context-parallel attention over N GPUs (default 1: the machinery's cost on one) against
 #                      one GPU, CLiS combine against an online ring: causal 32k GQA 32/8 D 128, sinks
 case "$1" in
@@ -104,21 +102,10 @@ case "$1" in
         --seq-lens 8192 32768 --tokens 32768 --softcap 50 --window 4096 --causal yes --packed no --inputs sinks_many \
         --passes fwd fwd_bwd --impls clis online tokamax_mosaic --repeats 5 --inner 3 \
         --out "$OUT/cap50_w4096_d256.json" ;;
-  read_wait)
-    TAIL=8 step read_wait_tests 170 timeout -s INT 160 $GPU_TEST tests/test_pallas_mgpu.py -k "read_only_store_wait" \
-        --durations 3
-    TAIL=12 step read_wait_d128 160 python3 scripts/bench_attention.py --suite llm --seq-lens 8192 32768 \
-        --tokens 32768 --causal yes --packed no --inputs sinks_many --passes fwd fwd_bwd \
-        --impls online online_read_wait cudnn tokamax_mosaic --repeats 7 --inner 3 --out "$OUT/read_wait_d128.json"
-    TAIL=12 step read_wait_w128 110 python3 scripts/bench_attention.py --suite llm --seq-lens 8192 32768 \
-        --tokens 32768 --llm-heads 64 8 64 --window 128 --causal yes --packed no --inputs sinks_many --passes fwd \
-        fwd_bwd --impls online online_read_wait cudnn tokamax_mosaic --repeats 7 --inner 3 \
-        --out "$OUT/read_wait_w128.json" ;;
   context_parallel)
     TAIL=12 step "context_parallel_${2:-1}" 300 python3 scripts/bench_context_parallel.py --seq 32768 \
         --heads 32 8 128 --context "${2:-1}" --family sinks_many --repeats 5 --inner 3 \
         --out "$OUT/context_parallel_${2:-1}.json" ;;
   *) echo "usage: bench_kernels.sh bwd_parts|llm_d128|llm_d64|sweep FAMILY PACKED|bidir FAMILY|diffusion|mla|"\
-"mla_bwd_parts|mla_batch|delta_pass|lse FAMILY|d256|heads_per_cta|certify_rule FAMILY|soft_cap|read_wait|"\
-"context_parallel [N]"; exit 2 ;;
+"mla_bwd_parts|mla_batch|delta_pass|lse FAMILY|d256|heads_per_cta|certify_rule FAMILY|soft_cap|context_parallel [N]"; exit 2 ;;
 esac
