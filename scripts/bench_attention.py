@@ -21,6 +21,9 @@ for forward+backward. Writes JSON records, a markdown table and a PNG plot (same
 --value-dim 128); TFLOP/s then count 2·B·Hq·S²·(D + DV).
 --window W / --softcap C give every case jax.nn's local_window_size=W and logits_soft_cap=C (Gemma 2,
 Mistral); the implementations in FEATURED take them (cuDNN the window only: with a cap it is skipped).
+--sinks MEAN gives our implementations (and `xla`, the dense jnp path MaxText's dot-product attention matches)
+learned per-head sink logits (gpt-oss), MEAN plus a standard normal per query head; cuDNN and tokamax take none,
+so their rows time the call without the sink term (records say `sinks: null`): less work than ours.
 
   python scripts/bench_attention.py --suite llm --seq-lens 8192 --out benchmarks/results/x.json
   python scripts/bench_attention.py --quick --out /tmp/quick.json     # tiny, CPU, interpret mode
@@ -125,6 +128,14 @@ FEATURED = ("clis", "online", "clis_blocks", "clis_radius", "clis_cap", "clis_mg
             "cudnn", "clis_triton", "online_triton", "clis_mgpu",
             "online_mgpu", "clis_mgpu_triton_bwd", "online_mgpu_triton_bwd", "clis_exp2_tanh", "online_exp2_tanh",
             "online_heads1", "online_heads2", "online_heads4", "online_heads8", "tokamax_mosaic", "tokamax_triton")
+
+
+SINKLESS = ("cudnn", "tokamax_mosaic", "tokamax_triton", "tokamax_k_start", "splash")  # entry points with no sinks
+
+
+def sink_logits(mean: float, heads: int):
+  """Learned-sink-like logits [heads] f32 (gpt-oss's per query head): mean plus a standard normal each."""
+  return mean + jax.random.normal(jax.random.PRNGKey(7), (heads,), jnp.float32)
 
 
 def feature_kwargs(window, softcap) -> dict:
@@ -301,7 +312,8 @@ def cases(args):
             heads += "" if args.value_dim is None else f"_Dv{args.value_dim}"
             docs = f"_docs{args.doc_len}" if packed and args.doc_len else ""
             feats = (f"_W{args.window}" if args.window is not None else "") + (
-                f"_cap{args.softcap:g}" if args.softcap is not None else "")
+                f"_cap{args.softcap:g}" if args.softcap is not None else "") + (
+                f"_sinks{args.sinks:g}" if args.sinks is not None else "")
             name = f"llm_{'causal' if causal else 'bidir'}{'_packed' if packed else ''}{docs}{heads}{feats}_S{s}"
             out.append(dict(case=name if family == "gaussian" else f"{name}_{family}", b=batch(s), s=s, hq=hq, hkv=hkv,
                             d=d, dv=args.value_dim or d, causal=causal, packed=packed, inputs=family))
@@ -338,6 +350,8 @@ def main():
                                "tokamax_triton", "splash"])
   parser.add_argument("--window", type=int, default=None, help="llm suite: local_window_size (jax.nn's)")
   parser.add_argument("--softcap", type=float, default=None, help="llm suite: logits_soft_cap (Gemma 2's 50)")
+  parser.add_argument("--sinks", type=float, default=None, metavar="MEAN",
+                      help="llm suite: learned sink logits per query head, MEAN plus a standard normal (gpt-oss)")
   parser.add_argument("--xla-max-gb", type=float, default=16.0, help="skip dense XLA when its logits exceed this")
   parser.add_argument("--repeats", type=int, default=25)
   parser.add_argument("--inner", type=int, default=10)
@@ -350,17 +364,21 @@ def main():
                                                                       "xla", "cudnn"]
   platform = jax.devices()[0].platform
   features = feature_kwargs(args.window, args.softcap)
-  if features and args.quick:
+  if (features or args.sinks is not None) and args.quick:
     args.impls = [name for name in args.impls if name in FEATURED]
-  if features:
+  if features or args.sinks is not None:
     wrong = [name for name in args.impls if name not in FEATURED]
     if wrong or args.suite != "llm":
-      raise SystemExit(f"--window / --softcap: the llm suite and --impls among {FEATURED}; got {wrong or args.suite}")
+      raise SystemExit(f"--window / --softcap / --sinks: the llm suite and --impls among {FEATURED}; got "
+                       f"{wrong or args.suite}")
     if args.softcap is not None and "cudnn" in args.impls:
       args.impls = [name for name in args.impls if name != "cudnn"]
       print("cudnn skipped: jax.nn's cuDNN attention takes no logits_soft_cap")
   fns, notes = implementations(args.impls, platform, args.quick)
   fns = {name: functools.partial(f, **features) if features else f for name, f in fns.items()}
+  takes_sinks = lambda name: args.sinks is not None and name not in SINKLESS
+  if args.sinks is not None and any(name in SINKLESS for name in fns):
+    print(f"{sorted(set(fns) & set(SINKLESS))} take no learned sinks: timed without the sink term")
   for note in notes:
     print(note)
   meta = benchmarking.device_meta()
@@ -370,8 +388,10 @@ def main():
                                dtype=c.get("dtype", jnp.bfloat16), doc_len=args.doc_len)
     dv = c.get("dv", c["d"])
     v, do = v[..., :dv], do[..., :dv]
+    sinks = {} if args.sinks is None else dict(sinks=sink_logits(args.sinks, c["hq"]))
     variants = {}
     for name, f in fns.items():
+      f = functools.partial(f, **sinks) if takes_sinks(name) else f
       if name == "xla" and c["b"] * c["hq"] * c["s"] ** 2 * 4 / 2**30 > args.xla_max_gb:
         continue
       if c["packed"] and (name == "cudnn" or name.startswith("tokamax_")) and name != "tokamax_k_start":
@@ -399,7 +419,7 @@ def main():
       except Exception as e:  # noqa: BLE001 — third-party kernels fail in many ways
         print(f"{c['case']} {key[0]} {key[1]} skipped: {type(e).__name__}: {str(e)[:300]}")
         del variants[key]
-    certified = {name: _certified_fraction(q, k, v, seg, c["causal"], name, args.quick, **features)
+    certified = {name: _certified_fraction(q, k, v, seg, c["causal"], name, args.quick, **features, **sinks)
                  for name, _ in variants if name in CERTIFYING}
     timings = benchmarking.interleaved_medians({f"{n}|{p}": fn for (n, p), fn in variants.items()},
                                                repeats=args.repeats, inner=args.inner)
@@ -410,7 +430,7 @@ def main():
       records.append(dict(case=c["case"], impl=name, **{"pass": pass_}, ms=med, ms_min=lo, ms_max=hi,
                           tflops=None if name.endswith("prepass") else work / med / 1e9, B=c["b"], S=c["s"], Hq=c["hq"], Hkv=c["hkv"], D=c["d"], Dv=dv,
                           causal=c["causal"], packed=c["packed"], inputs=c["inputs"], window=args.window,
-                          softcap=args.softcap,
+                          softcap=args.softcap, sinks=args.sinks if takes_sinks(name) else None,
                           certified=certified.get(name), repeat=args.repeats, inner=args.inner, **meta))
       print(f"{c['case']} {pass_} {name}: {med:.3f} ms [{lo:.3f}, {hi:.3f}] certified {certified.get(name)}",
             flush=True)  # as each case ends, so a run cut by its time limit still reports what it measured

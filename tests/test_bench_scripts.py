@@ -37,6 +37,16 @@ def test_bench_attention_quick(tmp_path):
   assert "cudnn skipped" in result.stdout
 
 
+def test_bench_attention_with_learned_sinks(tmp_path):
+  """--sinks: our implementations and the dense path run with per-head sink logits (gpt-oss) and say so."""
+  out = tmp_path / "sinks.json"
+  result = _run("scripts/bench_attention.py", "--quick", "--sinks", "2", "--out", str(out))
+  records = json.loads(out.read_text())
+  assert {r["impl"] for r in records} >= {"clis", "online", "xla"}
+  assert all(r["sinks"] == 2.0 for r in records), {(r["impl"], r["sinks"]) for r in records}
+  assert " fwd skipped: " not in result.stdout and " fwd_bwd skipped: " not in result.stdout  # all took the sinks
+
+
 def test_bench_train_tiny(tmp_path):
   out = tmp_path / "train.json"
   context = "clis:mesh.context=2:mesh.data=1"  # an entry with its own overrides: two devices share each sequence

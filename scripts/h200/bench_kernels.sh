@@ -23,6 +23,8 @@
 #   soft_cap           the soft cap's own bound (bound="cap", no pre-pass): GPU tests of the cap cases, then cap 50
 #                      at D 128 (GQA 32/8) and Gemma 2's D 256 with a 4096 window (GQA 16/8), 8k and 32k, fwd and
 #                      fwd+bwd: clis (the cap's bound), its tensor-core sum, online, the in-kernel radius, tokamax
+#   sinks              gpt-oss's learned sinks (GQA 64/8, D 64; full causal and window 128, its alternating layers),
+#                      GPU tests, then fwd and fwd+bwd 8k and 32k against cuDNN and tokamax (which take no sinks)
 #   context_parallel [N]  context-parallel attention over N GPUs (default 1: the machinery's cost on one) against
 #                      one GPU, CLiS combine against an online ring: causal 32k GQA 32/8 D 128, sinks
 case "$1" in
@@ -102,10 +104,20 @@ case "$1" in
         --seq-lens 8192 32768 --tokens 32768 --softcap 50 --window 4096 --causal yes --packed no --inputs sinks_many \
         --passes fwd fwd_bwd --impls clis online tokamax_mosaic --repeats 5 --inner 3 \
         --out "$OUT/cap50_w4096_d256.json" ;;
+  sinks)
+    TAIL=8 step sinks_tests 200 timeout -s INT 190 $GPU_TEST tests/test_sinks_and_split_heads.py --durations 3
+    for w in none 128; do
+      window=(); [ "$w" = none ] || window=(--window "$w")
+      TAIL=12 step "sinks_w$w" 170 python3 scripts/bench_attention.py --suite llm --seq-lens 8192 32768 \
+          --tokens 32768 --llm-heads 64 8 64 "${window[@]}" --sinks 2 --causal yes --packed no --inputs sinks_many \
+          --passes fwd fwd_bwd --impls clis online cudnn tokamax_mosaic --repeats 5 --inner 3 \
+          --out "$OUT/sinks_w$w.json"
+    done ;;
   context_parallel)
     TAIL=12 step "context_parallel_${2:-1}" 300 python3 scripts/bench_context_parallel.py --seq 32768 \
         --heads 32 8 128 --context "${2:-1}" --family sinks_many --repeats 5 --inner 3 \
         --out "$OUT/context_parallel_${2:-1}.json" ;;
   *) echo "usage: bench_kernels.sh bwd_parts|llm_d128|llm_d64|sweep FAMILY PACKED|bidir FAMILY|diffusion|mla|"\
-"mla_bwd_parts|mla_batch|delta_pass|lse FAMILY|d256|heads_per_cta|certify_rule FAMILY|soft_cap|context_parallel [N]"; exit 2 ;;
+"mla_bwd_parts|mla_batch|delta_pass|lse FAMILY|d256|heads_per_cta|certify_rule FAMILY|soft_cap|sinks|"\
+"context_parallel [N]"; exit 2 ;;
 esac
