@@ -16,7 +16,8 @@ import pytest
 
 from clis_kernels import reference_f64 as ref
 from attention_base import CLIS_VS_ONLINE, TOLERANCE, AttentionTests, lower_for_h200, packed_segments, random_inputs
-from clis_kernels import SegmentIds, attention, masks, pallas_gpu, pallas_mgpu, pallas_mgpu_vjp, plan, testing
+from clis_kernels import (SegmentIds, attention, masks, mgpu_pipeline, pallas_gpu, pallas_mgpu, pallas_mgpu_vjp, plan,
+                          testing)
 from clis_kernels.plan import HOPPER
 
 ON_GPU = jax.devices()[0].platform == "gpu"
@@ -816,6 +817,36 @@ def test_heads_per_cta_changes_nothing_on_gpu(causal, seq, d, packed, kw, heads)
   window = masks.as_window(kw.get("local_window_size"), causal=causal)
   want = ref.attention(q, k, v, do, seg, causal=causal, window=window, softcap=kw.get("logits_soft_cap"))[0]
   assert ref.rel_err(got[heads], want) < TOLERANCE[jnp.bfloat16][0]
+
+
+def test_profiler_is_off_unless_a_directory_is_named(monkeypatch, tmp_path):
+  """mgpu_pipeline.compiler_params: approximate math always; Mosaic GPU's in-kernel profiler only when
+  CLIS_MGPU_PROFILE_DIR is set (then CLIS_MGPU_PROFILE_SPACE events per call)."""
+  monkeypatch.delenv("CLIS_MGPU_PROFILE_DIR", raising=False)
+  params = mgpu_pipeline.compiler_params()
+  assert params.approx_math and (params.profile_space, params.profile_dir) == (0, "")
+  monkeypatch.setenv("CLIS_MGPU_PROFILE_DIR", str(tmp_path))
+  monkeypatch.setenv("CLIS_MGPU_PROFILE_SPACE", "512")
+  params = mgpu_pipeline.compiler_params()
+  assert (params.profile_space, params.profile_dir, params.profile_bounds_check) == (512, str(tmp_path), True)
+
+
+@needs_gpu
+@pytest.mark.parametrize("stabilizer", ["online", "clis"])
+def test_profiled_forward_writes_its_step_regions_on_gpu(monkeypatch, tmp_path, stabilizer):
+  """With CLIS_MGPU_PROFILE_DIR set the forward runs under Mosaic GPU's profiler (which needs a GPU even to lower:
+  it reads its buffer back through a host callback) and writes a trace naming the step's regions; the output is
+  the unprofiled one's."""
+  q, k, v, _ = random_inputs(7, 1, 1024, 4, 2, 128, jnp.bfloat16)
+  call = lambda q, k, v: attention(q, k, v, causal=True, implementation="pallas_mgpu", stabilizer=stabilizer)
+  plain = jax.jit(call)(q, k, v)
+  monkeypatch.setenv("CLIS_MGPU_PROFILE_DIR", str(tmp_path))
+  profiled = jax.block_until_ready(jax.jit(lambda q, k, v: call(q, k, v))(q, k, v))
+  np.testing.assert_array_equal(np.asarray(profiled.astype(jnp.float32)), np.asarray(plain.astype(jnp.float32)))
+  traces = sorted(tmp_path.glob("*trace.json"))
+  assert traces, list(tmp_path.iterdir())
+  text = traces[-1].read_text()
+  assert all(name in text for name in ("qk_wait", "softmax", "await_turn", "pv")), text[:300]
 
 
 @needs_gpu

@@ -6,6 +6,7 @@ slots."""
 from __future__ import annotations
 
 import functools
+import os
 
 import jax.numpy as jnp
 from jax import lax
@@ -28,6 +29,18 @@ def cta_first_row(seq: int, rows: int, *, causal: bool):
   num_tiles = seq // (COMPUTE_WARPGROUPS * rows)
   tile = num_tiles - 1 - lax.axis_index("q_tiles") if causal else lax.axis_index("q_tiles")
   return tile * (COMPUTE_WARPGROUPS * rows)
+
+
+def compiler_params():
+  """The Mosaic GPU kernels' CompilerParams: approximate math (ex2, tanh), and Mosaic GPU's in-kernel profiler when
+  CLIS_MGPU_PROFILE_DIR names a directory: each warpgroup's time in the kernels' named scopes (the forward's step:
+  turn_after_qk, qk_wait, softmax, await_turn, pv) goes there as a Chrome trace per call, the first
+  CLIS_MGPU_PROFILE_SPACE events of each warpgroup (default 512; its buffer takes shared memory, 16 bytes an event
+  per warpgroup, so 512 fits beside the forward at head dims up to 128)."""
+  profile_dir = os.environ.get("CLIS_MGPU_PROFILE_DIR", "")
+  space = int(os.environ.get("CLIS_MGPU_PROFILE_SPACE", "512")) if profile_dir else 0
+  return plgpu.CompilerParams(approx_math=True, profile_space=space, profile_dir=profile_dir,
+                              profile_bounds_check=bool(profile_dir))
 
 
 def finish_stores():

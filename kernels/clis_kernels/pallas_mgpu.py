@@ -43,8 +43,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from clis_kernels import masks
-from clis_kernels.mgpu_pipeline import (COMPUTE_WARPGROUPS, RANGE_WIDTH, cta_first_row, finish_stores, kv_blocks,
-                                        range_scratch, read_range_entry, stream_kv, swizzled)
+from clis_kernels.mgpu_pipeline import (COMPUTE_WARPGROUPS, RANGE_WIDTH, compiler_params, cta_first_row, finish_stores,
+                                        kv_blocks, range_scratch, read_range_entry, stream_kv, swizzled)
 from clis_kernels.common import int32_loop, out_struct
 from clis_kernels.plan import Mode, stabilizer_inputs
 from clis_kernels.stabilizer import CAP_TANH_ERROR, EMPTY_LSE, LOG2E, Certificate, KeyBounds, row_bounds, stabilize
@@ -753,45 +753,30 @@ def _capped(c: _Config, qk):
 
 def _step(c: _Config, s: _Scratch, ss, r: _Rows, fixed: bool, m0, i, carry, masked: bool):
   """One KV block: Q·Kᵀ, the weights (certified: one FMA and one exp2 each; online: running max and
-  rescale), P·V; the warpgroups hand the tensor cores over around the softmax when they ping-pong."""
+  rescale), P·V; the warpgroups hand the tensor cores over around the softmax when they ping-pong. The named scopes
+  are the regions Mosaic GPU's profiler times (mgpu_pipeline.compiler_params); they change nothing otherwise."""
   acc, m, l, l_lse = (carry[0], m0, *carry[1:]) if fixed else (*carry, None)
   slot = lax.rem(i, jnp.int32(c.slots))
 
   def qk_scope(acc_ref):
     plgpu.wgmma(acc_ref, r.q_smem, s.k.at[slot].T)
-    _turn(c, s)
-    return acc_ref[...]
+    with jax.named_scope("turn_after_qk"):
+      _turn(c, s)
+    with jax.named_scope("qk_wait"):
+      return acc_ref[...]
 
-  qk = _visible(c, s, ss, r, _capped(c, pl.run_scoped(qk_scope, plgpu.ACC((c.block_q, c.block_kv), jnp.float32))), i,
-                slot, masked)
-  row_max = qk.max(axis=1) * c.logit_scale if c.track or not fixed else None
-  if c.track:
-    _record_row_max(c, r, i, row_max)
-  if fixed:  # the certified step: no max, no rescale
-    p = jnp.exp2(qk * c.logit_scale - lax.broadcast_in_dim(m, qk.shape, [0]))
-    p_low = p.astype(r.dtype)
-    if not c.exact_sum:
-      l = l + p.sum(axis=1)  # the unrounded weights: see the module docstring
-    if c.lse_sum:  # lse's sum, unrounded, while p is in registers (BlockSizes.exact_lse)
-      l_lse = l_lse + p.sum(axis=1)
-  else:
-    m_new = jnp.maximum(m, row_max)
-    alpha = jnp.exp2(m - m_new)
-    p = jnp.exp2(qk * c.logit_scale - lax.broadcast_in_dim(m_new, qk.shape, [0]))
-    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-    l = l * alpha + p.sum(axis=1)
-    m, p_low = m_new, p.astype(r.dtype)
-  if fixed:
-    acc, l, l_lse, p_low = lax.optimization_barrier((acc, l, l_lse, p_low))
-  else:
-    acc, m, l, p_low = lax.optimization_barrier((acc, m, l, p_low))
+  qk = pl.run_scoped(qk_scope, plgpu.ACC((c.block_q, c.block_kv), jnp.float32))
+  with jax.named_scope("softmax"):
+    acc, m, l, l_lse, p_low = _weights(c, s, ss, r, fixed, i, slot, masked, qk, acc, m, l, l_lse)
   if c.pingpong:
     plgpu.barrier_arrive(s.schedule)  # softmax done
   if fixed and c.exact_sum and not c.tc_sum:  # while the other warpgroup holds the tensor cores
-    l = l + p_low.astype(jnp.float32).sum(axis=1)
-  plgpu.barrier_wait(s.v_ready.at[slot])
-  if c.pingpong:
-    plgpu.barrier_wait(s.schedule)  # tensor cores free again
+    with jax.named_scope("rounded_sum"):
+      l = l + p_low.astype(jnp.float32).sum(axis=1)
+  with jax.named_scope("await_turn"):
+    plgpu.barrier_wait(s.v_ready.at[slot])
+    if c.pingpong:
+      plgpu.barrier_wait(s.schedule)  # tensor cores free again
 
   def pv(refs):
     acc_ref, l_ref = refs
@@ -804,10 +789,37 @@ def _step(c: _Config, s: _Scratch, ss, r: _Rows, fixed: bool, m0, i, carry, mask
       plgpu.barrier_wait(s.k_ready.at[lax.rem(i + 1, jnp.int32(c.slots))])
 
   tc_sum = fixed and c.tc_sum
-  acc, l_new = pl.run_state(pv)((plgpu.ACC.init(acc), plgpu.ACC.init(l) if tc_sum else None))
+  with jax.named_scope("pv"):
+    acc, l_new = pl.run_state(pv)((plgpu.ACC.init(acc), plgpu.ACC.init(l) if tc_sum else None))
   l = l_new if tc_sum else l
   plgpu.barrier_arrive(s.v_free.at[slot])
   return (acc, l, l_lse) if fixed else (acc, m, l)
+
+
+def _weights(c: _Config, s: _Scratch, ss, r: _Rows, fixed: bool, i, slot, masked: bool, qk, acc, m, l, l_lse):
+  """The step's softmax on block i's Q·Kᵀ [block_q, block_kv]: (acc, m, l, l_lse, the weights in q's dtype),
+  certified with the fixed M (m) or online (running max m, acc and l rescaled)."""
+  qk = _visible(c, s, ss, r, _capped(c, qk), i, slot, masked)
+  row_max = qk.max(axis=1) * c.logit_scale if c.track or not fixed else None
+  if c.track:
+    _record_row_max(c, r, i, row_max)
+  if fixed:  # the certified step: no max, no rescale
+    p = jnp.exp2(qk * c.logit_scale - lax.broadcast_in_dim(m, qk.shape, [0]))
+    p_low = p.astype(r.dtype)
+    if not c.exact_sum:
+      l = l + p.sum(axis=1)  # the unrounded weights: see the module docstring
+    if c.lse_sum:  # lse's sum, unrounded, while p is in registers (BlockSizes.exact_lse)
+      l_lse = l_lse + p.sum(axis=1)
+    acc, l, l_lse, p_low = lax.optimization_barrier((acc, l, l_lse, p_low))
+  else:
+    m_new = jnp.maximum(m, row_max)
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(qk * c.logit_scale - lax.broadcast_in_dim(m_new, qk.shape, [0]))
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    l = l * alpha + p.sum(axis=1)
+    m, p_low = m_new, p.astype(r.dtype)
+    acc, m, l, p_low = lax.optimization_barrier((acc, m, l, p_low))
+  return acc, m, l, l_lse, p_low
 
 
 def _overlapped_step(c: _Config, s: _Scratch, ss, r: _Rows, m0, i, carry, masked: bool):
@@ -1024,7 +1036,7 @@ def _launch(q, k, v, segment_ids, stab, *, mode: Mode, causal, scale, kv_len, bl
       grid_names=("heads", "q_tiles", "batch"),
       num_threads=COMPUTE_WARPGROUPS + 1,
       thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
+      compiler_params=compiler_params(),
   )(*args)
   o, lse = outs[:2]
   rowmax = outs[-1] if config.track else None

@@ -27,8 +27,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from clis_kernels import masks
-from clis_kernels.mgpu_pipeline import (COMPUTE_WARPGROUPS, RANGE_WIDTH, cta_first_row, finish_stores, kv_blocks,
-                                        range_scratch, read_range_entry, stream_blocks, stream_kv, swizzled)
+from clis_kernels.mgpu_pipeline import (COMPUTE_WARPGROUPS, RANGE_WIDTH, compiler_params, cta_first_row, finish_stores,
+                                        kv_blocks, range_scratch, read_range_entry, stream_blocks, stream_kv,
+                                        swizzled)
 from clis_kernels.common import int32_loop, out_struct
 from clis_kernels.pallas_mgpu import SPLIT_HEAD_DIMS, TANHS, cap_tanh, first_kv_blocks
 from clis_kernels.stabilizer import LOG2E
@@ -593,7 +594,7 @@ class Launches:
 
   def _launch(self, kernel, out_type, grid, names):
     return plgpu.kernel(kernel, out_type=out_type, grid=grid, grid_names=names, num_threads=COMPUTE_WARPGROUPS + 1,
-                        thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True))
+                        thread_name="wg", compiler_params=compiler_params())
 
   def fused(self):
     """(dq, dk, dv) from the one-kernel backward (BlockSizes(fused_dq=True)): dQ reduce-added in f32."""

@@ -25,6 +25,8 @@
 #                      fwd+bwd: clis (the cap's bound), its tensor-core sum, online, the in-kernel radius, tokamax
 #   sinks              gpt-oss's learned sinks (GQA 64/8, D 64; full causal and window 128, its alternating layers),
 #                      GPU tests, then fwd and fwd+bwd 8k and 32k against cuDNN and tokamax (which take no sinks)
+#   profile            the forward step's regions per warpgroup from Mosaic GPU's in-kernel profiler (GPU test,
+#                      then D 128 GQA 32/8 causal 4k rows with and without cap 50: notes/experiments/profile_forward.py)
 #   context_parallel [N]  context-parallel attention over N GPUs (default 1: the machinery's cost on one) against
 #                      one GPU, CLiS combine against an online ring: causal 32k GQA 32/8 D 128, sinks
 case "$1" in
@@ -113,11 +115,19 @@ case "$1" in
           --passes fwd fwd_bwd --impls clis online cudnn tokamax_mosaic --repeats 5 --inner 3 \
           --out "$OUT/sinks_w$w.json"
     done ;;
+  profile)
+    TAIL=6 step profile_tests 150 timeout -s INT 140 $GPU_TEST tests/test_pallas_mgpu.py -k "profiled_forward" \
+        --durations 3
+    for cap in none 50; do
+      capflag=(); [ "$cap" = none ] || capflag=(--softcap "$cap")
+      TAIL=14 step "profile_d128_cap$cap" 90 python3 notes/experiments/profile_forward.py --heads 32 8 128 \
+          --seq 4096 --batch 2 "${capflag[@]}" --out "$OUT/profile_d128_cap$cap.json"
+    done ;;
   context_parallel)
     TAIL=12 step "context_parallel_${2:-1}" 300 python3 scripts/bench_context_parallel.py --seq 32768 \
         --heads 32 8 128 --context "${2:-1}" --family sinks_many --repeats 5 --inner 3 \
         --out "$OUT/context_parallel_${2:-1}.json" ;;
   *) echo "usage: bench_kernels.sh bwd_parts|llm_d128|llm_d64|sweep FAMILY PACKED|bidir FAMILY|diffusion|mla|"\
-"mla_bwd_parts|mla_batch|delta_pass|lse FAMILY|d256|heads_per_cta|certify_rule FAMILY|soft_cap|sinks|"\
+"mla_bwd_parts|mla_batch|delta_pass|lse FAMILY|d256|heads_per_cta|certify_rule FAMILY|soft_cap|sinks|profile|"\
 "context_parallel [N]"; exit 2 ;;
 esac
