@@ -140,20 +140,21 @@ def _attend(static: _Static, q, k, v, segment_ids, stab, sinks):
   return _attend_fwd(static, q, k, v, segment_ids, stab, sinks)[0]
 
 
-def _forward(static, q, k, v, segment_ids, stab):
+def _forward(static, q, k, v, segment_ids, stab, sinks):
+  """(o, lse, certified tiles or None), o and lse with the sinks' terms where sinks are given: the entry's forward
+  adds them in its epilogue (Entry.folds_sinks), else stabilizer.fold_sinks does here."""
   plan = static.plan
   kw = dict(causal=static.causal, scale=static.scale, kv_len=static.kv_len, block_sizes=plan.block_sizes,
             window=static.window, softcap=static.softcap, interpret=plan.interpret)
   if plan.mode is plan_lib.Mode.KEYS:  # the kernel certifies its rows: it needs the real query length
     kw["seq_len"] = static.seq_len
-  return plan.backend.forward(q, k, v, segment_ids, stab, mode=plan.mode, **kw)
-
-
-def sink_weights(lse, sinks):
-  """[B, Hq, S] f32: the share e^L / (e^L + e^sink) of each row's weight left to its keys, from the kernel's base-2
-  lse L·log2(e) and a learned sink logit per head (gpt-oss: one more term in the softmax's denominator, with no
-  value). Rows with no visible key (lse = EMPTY_LSE) get 1, and their output stays 0."""
-  return jax.nn.sigmoid(lse / certificate.LOG2E - sinks.astype(jnp.float32)[None, :, None])
+  in_kernel = sinks is not None and plan.entry.folds_sinks
+  if in_kernel:
+    kw["sinks"] = sinks
+  o, lse, tiles = plan.backend.forward(q, k, v, segment_ids, stab, mode=plan.mode, **kw)
+  if sinks is not None and not in_kernel:
+    o, lse = certificate.fold_sinks(o, lse, sinks)
+  return o, lse, tiles
 
 
 def _vary_like(x, like):
@@ -165,36 +166,21 @@ def _vary_like(x, like):
   return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
-def _rows(x):
-  """[B, Hq, S] → [B, S, Hq, 1], to scale rows of a [B, S, Hq, D] array."""
-  return jnp.swapaxes(x, 1, 2)[..., None]
-
-
 def _attend_fwd(static, q, k, v, segment_ids, stab, sinks):
-  o, lse, tiles = _forward(static, q, k, v, segment_ids, stab)
-  w = None
-  if sinks is not None:  # o' = w·o exactly: the keys' weights all shrink by w, the sink's value is 0
-    w = sink_weights(lse, sinks)
-    o = (o.astype(jnp.float32) * _rows(w)).astype(o.dtype)
-  return (o, tiles), (q, k, v, segment_ids, stab, o, lse, w, sinks)
+  o, lse, tiles = _forward(static, q, k, v, segment_ids, stab, sinks)
+  return (o, tiles), (q, k, v, segment_ids, stab, o, lse, sinks)
 
 
 def _attend_bwd(static, residuals, cotangents):
-  q, k, v, segment_ids, stab, o, lse, w, sinks = residuals
+  """The backend's backward on (o, lse), which include the sinks' terms: its P = 2^(t − lse) and rowsum(dO∘o) are
+  then the sink-augmented softmax's, so dq, dk, dv need nothing more; dsinks from stabilizer.sink_gradient."""
+  q, k, v, segment_ids, stab, o, lse, sinks = residuals
   do, _ = cotangents  # the certified-tile flags carry no gradient
   plan = static.plan
-  dsinks, do_kernel = None, do
-  if sinks is not None:
-    # With P' = w·P the rows' gradient is dS = P'∘(dO·Vᵀ − rowsum(dO∘O')). The kernels form P∘(dÔ·Vᵀ −
-    # rowsum(Ô∘dÔ)) from their own lse; handing them Ô = O' and dÔ = w·dO gives exactly that (w·w·rowsum(dO∘O)
-    # = w·rowsum(dO∘O')), and dV = Pᵀ·(w·dO) = P'ᵀ·dO. The sink's own gradient: −Σ_rows (1 − w)·rowsum(dO∘O').
-    do32 = do.astype(jnp.float32)
-    dsinks = -jnp.einsum("bshd,bshd,bsh->h", do32, o.astype(jnp.float32), 1.0 - jnp.swapaxes(w, 1, 2))
-    dsinks = dsinks.astype(sinks.dtype)
-    do_kernel = (do32 * _rows(w)).astype(do.dtype)
-  dq, dk, dv = plan.backend.backward(q, k, v, segment_ids, o, lse, do_kernel, causal=static.causal,
+  dq, dk, dv = plan.backend.backward(q, k, v, segment_ids, o, lse, do, causal=static.causal,
                                      scale=static.scale, kv_len=static.kv_len, block_sizes=plan.backward_block_sizes,
                                      window=static.window, softcap=static.softcap, interpret=plan.interpret)
+  dsinks = None if sinks is None else certificate.sink_gradient(o, lse, do, sinks)
   zero_stab = jax.tree.map(lambda x: jnp.zeros_like(x) if jnp.issubdtype(x.dtype, jnp.floating) else None, stab)
   return dq, dk, dv, None, zero_stab, dsinks
 
@@ -296,9 +282,9 @@ def attention(q, k, v, segment_ids=None, *, causal=True, scale=None, local_windo
     another platform (an H200 on a CPU) need it.
   sinks: [Hq] learned sink logits (gpt-oss; natural-log units, next to the scaled logits), or None: each head's
     softmax gets one more term e^sink in its denominator, with no value. Differentiable. Every backend runs it:
-    the kernels compute the rows without the sink and the output is rescaled by e^L / (e^L + e^sink) from their
-    lse (`sink_weights`; the backward hands the kernels the rescaled output and dO, which gives the exact
-    gradient), so the certificate is the same as without sinks.
+    the Mosaic GPU forward adds the term in its epilogue, the others' output and lse take it in XLA
+    (stabilizer.fold_sinks); the backward runs on that output and lse, exact for any sink, so the certificate is
+    the same as without sinks.
   Returns the output shaped like q, and with return_stats=True also an AttentionStats.
   """
   check_inputs(q, k, v, segment_ids, causal, stabilizer, granularity, tau, local_window_size, logits_soft_cap, bound)

@@ -223,6 +223,7 @@ class _Config:
   cap2: float | None = None  # base-2 soft cap c·log2 e of c·tanh(s / c), or None
   tanh: str = "approx"  # BlockSizes.soft_cap_tanh
   heads: int = 1  # BlockSizes.heads_per_cta
+  sinks: bool = False  # learned sink logits: the epilogue adds each head's term to the rows' sums (`_add_sink`)
 
   @property
   def logit_scale(self) -> float:
@@ -248,6 +249,7 @@ class _Refs(NamedTuple):
   visit: Any = None  # listed: [B, Hq, CTAs, rows, columns] int32, kept KV blocks in order, the count last
   rowmax: Any = None  # track: [B, Hq, KV blocks, S] f32 out, max_j t_ij per visited block and row (log2 units)
   first: Any = None  # doc_ranges: [B, CTAs, RANGE_WIDTH] int32, the CTA's first KV block in entry 0
+  sinks: Any = None  # sinks: [Hq, block_q] f32, each head's sink logit (base 2) repeated over a tile's rows
 
 
 class _Scratch(NamedTuple):
@@ -267,6 +269,8 @@ class _Scratch(NamedTuple):
   ones: Any = None  # tc_sum: [block_kv, 16] ones in shared memory, and its TMA's barrier
   ones_ready: Any = None
   o: Any = None  # SPLIT_HEAD_DIMS: [2, block_q·D/Dv, Dv], o out through rows [0, block_q) of each warpgroup's q bytes
+  sinks: Any = None  # sinks: [heads · 2, block_q] f32, one sink row per (head of the CTA, compute warpgroup)
+  sinks_ready: Any = None
 
 
 class _KeysScratch(NamedTuple):
@@ -323,6 +327,7 @@ class _Rows(NamedTuple):
   lead: Any = 0  # window: steps [0, lead) are masked too (the band's lower edge); [lead, full) are whole
   o_smem: Any = None  # where the epilogue stages o: q_smem, or _Scratch.o's buffer
   base: Any = 0  # heads_per_cta: the stream's step of this head's first block (loop steps count from it)
+  sink: Any = None  # sinks: (this head's sink row in shared memory, its barrier)
 
 
 def _scratch(c: _Config, dtype, head_dim: int, value_head_dim: int):
@@ -346,6 +351,9 @@ def _scratch(c: _Config, dtype, head_dim: int, value_head_dim: int):
       *((plgpu.SMEM((bkv, SUM_COLUMNS), dtype, transforms=(plgpu.TilingTransform((8, SUM_COLUMNS)),
                                                             plgpu.SwizzleTransform(2 * SUM_COLUMNS))),
          plgpu.Barrier(num_barriers=1)) if c.tc_sum else ()))
+  if c.sinks:
+    common = common._replace(sinks=plgpu.SMEM((c.heads * wgs, bq), jnp.float32),
+                             sinks_ready=plgpu.Barrier(num_barriers=c.heads * wgs))
   keys = None
   if c.mode == "keys":
     keys = _KeysScratch(
@@ -376,7 +384,7 @@ def _q_parities(c: _Config) -> int:
 def _kernel(q_ref, k_ref, v_ref, *refs, config: _Config):
   c = config
   qseg_ref = kseg_ref = m_ref = centre_ref = bounds_ref = flags_ref = ones_ref = visit_ref = rowmax_ref = None
-  first_ref = None
+  first_ref = sinks_ref = None
   num_outputs = 2 + (c.mode == "keys") + c.track
   inputs, outputs = refs[:-num_outputs], refs[-num_outputs:]
   if c.has_segments:
@@ -387,6 +395,8 @@ def _kernel(q_ref, k_ref, v_ref, *refs, config: _Config):
     (visit_ref,), inputs = inputs[:1], inputs[1:]
   if c.tc_sum:  # the last input
     ones_ref, inputs = inputs[-1], inputs[:-1]
+  if c.sinks:  # the last but ones
+    sinks_ref, inputs = inputs[-1], inputs[:-1]
   if c.mode == "cert":
     (m_ref,) = inputs
   elif c.mode == "keys":
@@ -397,7 +407,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, config: _Config):
   if c.track:
     (rowmax_ref,) = rest
   g = _Refs(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, m_ref, centre_ref, bounds_ref, o_ref, lse_ref, flags_ref,
-            ones_ref, visit_ref, rowmax_ref, first_ref)
+            ones_ref, visit_ref, rowmax_ref, first_ref, sinks_ref)
   dtype, head_dim = q_ref.dtype, q_ref.shape[-1]
   batch, head = lax.axis_index("batch"), lax.axis_index("heads")
   if c.heads > 1:  # the CTA's first head; it walks heads [head, head + c.heads) of one GQA group
@@ -565,6 +575,11 @@ def _compute_warpgroup(c: _Config, g: _Refs, s: _Scratch, ks, ss, ls, *, wg, bat
       plgpu.copy_gmem_to_smem(g.k.at[batch, pl.ds(row0, c.block_q), kv_head], ks.kdiag.at[wg], ks.kdiag_ready.at[wg])
   if c.has_segments:
     plgpu.copy_gmem_to_smem(g.qseg.at[batch, pl.ds(row0, c.block_q)], ss.qseg.at[wg], ss.qseg_ready.at[wg])
+  sink = None
+  if c.sinks:  # waited for in the epilogue; each head of the CTA has its own buffer, used once
+    buf = wg if nth is None else nth * COMPUTE_WARPGROUPS + wg
+    sink = s.sinks.at[buf], s.sinks_ready.at[buf]
+    plgpu.copy_gmem_to_smem(g.sinks.at[head], *sink)
   plgpu.barrier_wait(s.q_ready.at[q_buf])
   q_ids = None
   if c.has_segments:
@@ -574,7 +589,7 @@ def _compute_warpgroup(c: _Config, g: _Refs, s: _Scratch, ks, ss, ls, *, wg, bat
     lead, full, total, cta_blocks = lead + base, full + base, total + base, cta_blocks + base
     block_of = lambda i, block_of=block_of: block_of(i - base)
   r = _Rows(wg, batch, head, kv_head, row0, full, total, cta_blocks, q_smem, rows, q_ids, g.q.dtype, *turns,
-            block_of, ls, g.rowmax, lead, q_smem if s.o is None else s.o.at[wg, pl.ds(0, c.block_q)], base)
+            block_of, ls, g.rowmax, lead, q_smem if s.o is None else s.o.at[wg, pl.ds(0, c.block_q)], base, sink)
 
   if c.mode in ("cert", "keys"):
     if c.mode == "cert":
@@ -872,10 +887,25 @@ def _drain(c: _Config, s: _Scratch, ss, i, _):
   _turn(c, s)
 
 
+def _add_sink(r: _Rows, m, l, l_lse):
+  """(m, l, l_lse, the factor on acc) with the head's sink logit t as one more term of the rows' softmax, of value
+  0: the stabilizer becomes max(m, t) and the sums take 2^(t − max) (stabilizer.fold_sinks's arithmetic, in
+  registers). Exact for any t, so neither the loop nor the certificate changes."""
+  buf, ready = r.sink
+  plgpu.barrier_wait(ready)
+  t = plgpu.load(buf, layout=plgpu.Layout.WGMMA.reduce(1))
+  m_new = jnp.maximum(m, t)
+  old, sink = jnp.exp2(m - m_new), jnp.exp2(t - m_new)
+  return m_new, l * old + sink, None if l_lse is None else l_lse * old + sink, old
+
+
 def _epilogue(c: _Config, g: _Refs, s: _Scratch, r: _Rows, acc, m, l, l_lse=None):
   """o = acc / l and lse = M + log2 l (l_lse instead where given: the unrounded sum; padding rows: 0 and EMPTY_LSE)
-  out through shared memory."""
-  o = acc * lax.broadcast_in_dim(1.0 / l, acc.shape, [0])
+  out through shared memory; with sinks, after `_add_sink`."""
+  factor = 1.0
+  if c.sinks:
+    m, l, l_lse, factor = _add_sink(r, m, l, l_lse)
+  o = acc * lax.broadcast_in_dim(factor / l, acc.shape, [0])
   lse = m + jnp.log2(l if l_lse is None else l_lse)
   if c.has_segments:  # padding rows (id 0) see no key: o = 0 and EMPTY_LSE, as every backend
     empty = r.q_ids == 0
@@ -912,7 +942,8 @@ def kernel_key_inputs(keys: KeyBounds, *, row_centres: bool, dtype, seq: int, ti
 
 
 def forward(q, k, v, segment_ids, stab: KeyBounds | Certificate | None, *, mode: Mode, causal, scale, kv_len,
-            block_sizes: BlockSizes, seq_len: int | None = None, window=None, softcap=None, interpret=False):
+            block_sizes: BlockSizes, seq_len: int | None = None, window=None, softcap=None, interpret=False,
+            sinks=None):
   """Returns (o [B, S, Hq, Dv], lse [B, Hq, S] f32 base 2, certified tiles [B, Hq, S/64] or None).
 
   mode (plan.Mode) names the stabilizer: KEYS, stab the K/V pre-pass (each warpgroup certifies its
@@ -922,9 +953,12 @@ def forward(q, k, v, segment_ids, stab: KeyBounds | Certificate | None, *, mode:
   certificate relies on: zero rows pass). seq_len: accepted for the API's call, not needed.
   window: local (left, right), or None: each CTA streams only its band's KV blocks, every step masked.
   softcap: c of c·tanh(s / c), or None; the in-kernel certificate caps its bounds (capping is monotone).
+  sinks: [Hq] f32 learned sink logits (natural-log units), or None: o and lse include each head's sink term, added in
+  the epilogue (`_add_sink`; what stabilizer.fold_sinks does in XLA for the other backends).
   """
   o, lse, certified, _ = _launch(q, k, v, segment_ids, stab, mode=mode, causal=causal, scale=scale, kv_len=kv_len,
-                                 block_sizes=block_sizes, interpret=interpret, window=window, softcap=softcap)
+                                 block_sizes=block_sizes, interpret=interpret, window=window, softcap=softcap,
+                                 sinks=sinks)
   return o, lse, certified
 
 
@@ -977,7 +1011,7 @@ def _check_heads_per_cta(c: _Config, q, v):
 
 
 def _launch(q, k, v, segment_ids, stab, *, mode: Mode, causal, scale, kv_len, block_sizes: BlockSizes, interpret,
-            visit=None, track: bool = False, window=None, softcap=None):
+            visit=None, track: bool = False, window=None, softcap=None, sinks=None):
   keys, cert = stabilizer_inputs(stab, mode)
   _check(q, k, v, keys, cert, scale, interpret, block_sizes.block_kv)
   batch, seq, num_heads, _ = q.shape
@@ -996,7 +1030,7 @@ def _launch(q, k, v, segment_ids, stab, *, mode: Mode, causal, scale, kv_len, bl
       track=track and visit is not None, list_width=0 if visit is None else visit.shape[-1],
       doc_ranges=bs.document_ranges and causal and segment_ids is not None and visit is None and window is None,
       window=None if window is None else tuple(int(w) for w in window),
-      cap2=None if softcap is None else float(softcap) * LOG2E, tanh=bs.soft_cap_tanh)
+      cap2=None if softcap is None else float(softcap) * LOG2E, tanh=bs.soft_cap_tanh, sinks=sinks is not None)
   heads = bs.heads_per_cta
   if heads is None:
     heads = auto_heads_per_cta(mode=mode, group=config.group, window=config.window, listed=config.listed,
@@ -1027,6 +1061,10 @@ def _launch(q, k, v, segment_ids, stab, *, mode: Mode, causal, scale, kv_len, bl
     out_type.append(out_struct((batch, num_heads, seq), jnp.float32, q))  # certified flag per row
   if config.track:
     out_type.append(out_struct((batch, num_heads, num_kv_blocks, seq), jnp.float32, q))
+  if sinks is not None:
+    if sinks.shape != (num_heads,):
+      raise ValueError(f"sinks.shape={sinks.shape} must be [Hq]=[{num_heads}], one logit per query head")
+    args.append(jnp.broadcast_to((sinks.astype(jnp.float32) * LOG2E)[:, None], (num_heads, bs.block_q)))
   if config.tc_sum:
     args.append(jnp.ones((bs.block_kv, SUM_COLUMNS), q.dtype))
   outs = plgpu.kernel(

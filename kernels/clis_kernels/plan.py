@@ -89,6 +89,7 @@ class Entry:
   row_bounds: str | None = None  # module of the block bound's (U, L) kernel (Mode.BLOCKS), None: XLA
   certifies_by_default: bool = True  # implementation=None certifies on it (False: runs online, where it does not pay)
   blocks_from: int | None = None  # bound=None: the block bound from this many keys on (its kernel pays), else radius
+  folds_sinks: bool = False  # its forward takes sinks= and adds them in its epilogue (else stabilizer.fold_sinks)
 
   def supports(self, call: Call, platform: Platform, *, automatic: bool = False) -> str | None:
     """None when this entry can run the call, else why not, phrased to follow its name. automatic:
@@ -176,10 +177,11 @@ BLOCKS_FROM_TPU = 0
 REGISTRY: tuple[Entry, ...] = (
     Entry("pallas_mgpu", 30, ("gpu",), "pallas_mgpu", "pallas_mgpu_vjp", True, interpretable=False,
           hopper_only=True, backward_tiles="pallas_mgpu_vjp", row_bounds="pallas_gpu_bounds",
-          certifies_by_default=CERTIFY_ON_HOPPER, blocks_from=BLOCKS_FROM_MGPU, skip="diffusion.pallas_mgpu_skip"),
+          certifies_by_default=CERTIFY_ON_HOPPER, blocks_from=BLOCKS_FROM_MGPU, skip="diffusion.pallas_mgpu_skip",
+          folds_sinks=True),
     Entry("pallas_mgpu_triton_bwd", 25, ("gpu",), "pallas_mgpu", "pallas_gpu_vjp", True, interpretable=False,
           hopper_only=True, backward_tiles="pallas_gpu:hopper_block_sizes", row_bounds="pallas_gpu_bounds",
-          certifies_by_default=CERTIFY_ON_HOPPER, blocks_from=BLOCKS_FROM_MGPU),
+          certifies_by_default=CERTIFY_ON_HOPPER, blocks_from=BLOCKS_FROM_MGPU, folds_sinks=True),
     Entry("pallas_gpu", 20, ("gpu",), "pallas_gpu", "pallas_gpu_vjp", True, skip="diffusion.pallas_gpu_skip",
           row_bounds="pallas_gpu_bounds"),
     Entry("pallas_tpu", 20, ("tpu",), "pallas_tpu", "pallas_tpu_vjp", False, skip="diffusion.pallas_tpu_skip",

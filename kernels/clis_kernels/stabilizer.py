@@ -101,6 +101,13 @@ row max the dominant weight is not 1 and its rounding would enter lse, and with 
 speed (pallas_mgpu.BlockSizes(exact_sum=False) normalises by the unrounded sum; exact_lse=False saves lse from the
 rounded one).
 
+Learned sinks (gpt-oss). A head's sink logit t (base 2) is one more term of every row's softmax, with value 0:
+lse' = log2(2^lse + 2^t) and o' = o·2^(lse − lse'), combined by the max as the online softmax combines blocks
+(`fold_sinks`; the Mosaic GPU forward does the same on its registers in the epilogue). Exact for any t, so the
+certificate of the keys is unchanged: the term adds no value and cannot overflow a sum whose stabilizer it
+raises. The backward then runs on (o', lse') as on any softmax; the sink's own gradient is
+−Σ_rows 2^(t − lse')·rowsum(dO∘o') (`sink_gradient`).
+
 Certificate. A row passes when U_i − L_i ≤ min(τ·log2 e, h + T), τ being the user's cap in
 natural-log units. τ bounds |t − M| for the row's dominant terms (t_max − M ≥ h − (U − L)), and exp2
 rounds its input to f32 first, so a dominant weight carries a relative error of about
@@ -308,6 +315,23 @@ def saved_lse(m, l_safe, empty, unrounded=None):
   where given, else l_safe (l with 1 on empty rows); EMPTY_LSE on rows that saw no key."""
   total = l_safe if unrounded is None else jnp.where(empty, 1.0, unrounded)
   return jnp.where(empty, EMPTY_LSE, m + jnp.log2(total))
+
+
+def fold_sinks(o, lse, sinks):
+  """(o', lse'): o [B, S, Hq, Dv] and lse [B, Hq, S] (base 2) of rows without their head's sink, with it: sinks [Hq]
+  natural-log logits. Rows with no visible key keep o = 0 and lse = EMPTY_LSE."""
+  t = (sinks.astype(jnp.float32) * LOG2E)[None, :, None]
+  folded = jnp.logaddexp2(lse, t)
+  factor = jnp.exp2(lse - folded)  # 2^lse / (2^lse + 2^t), 1 for rows with no key
+  return (o.astype(jnp.float32) * jnp.swapaxes(factor, 1, 2)[..., None]).astype(o.dtype), folded
+
+
+def sink_gradient(o, lse, do, sinks):
+  """[Hq] dL/dsinks from o' [B, S, Hq, Dv], lse' [B, Hq, S] (both with the sinks) and dO: each row's sink weight
+  2^(t − lse') times −rowsum(dO∘o'), summed over batch and rows (0 for rows with no key: lse' = EMPTY_LSE)."""
+  t = (sinks.astype(jnp.float32) * LOG2E)[None, :, None]
+  delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32))
+  return -jnp.sum(jnp.exp2(jnp.minimum(t - lse, 0.0)) * delta, axis=(0, 2)).astype(sinks.dtype)
 
 
 def row_bounds(q, centre, radius, k_diag, *, sigma2: float, cap2: float | None = None):

@@ -24,7 +24,9 @@
 #                      at D 128 (GQA 32/8) and Gemma 2's D 256 with a 4096 window (GQA 16/8), 8k and 32k, fwd and
 #                      fwd+bwd: clis (the cap's bound), its tensor-core sum, online, the in-kernel radius, tokamax
 #   sinks              gpt-oss's learned sinks (GQA 64/8, D 64; full causal and window 128, its alternating layers),
-#                      GPU tests, then fwd and fwd+bwd 8k and 32k against cuDNN and tokamax (which take no sinks)
+#                      GPU tests, then fwd and fwd+bwd 8k and 32k against cuDNN and tokamax (which take no sinks),
+#                      then the errors of o, dq, dk, dv, dsinks seed by seed, online and certified
+#                      (notes/experiments/sinks_accuracy.py)
 #   profile            the forward step's regions per warpgroup from Mosaic GPU's in-kernel profiler (GPU test,
 #                      then D 128 GQA 32/8 causal 4k rows with and without cap 50: notes/experiments/profile_forward.py)
 #   context_parallel [N]  context-parallel attention over N GPUs (default 1: the machinery's cost on one) against
@@ -114,7 +116,8 @@ case "$1" in
           --tokens 32768 --llm-heads 64 8 64 "${window[@]}" --sinks 2 --causal yes --packed no --inputs sinks_many \
           --passes fwd fwd_bwd --impls clis online cudnn tokamax_mosaic --repeats 5 --inner 3 \
           --out "$OUT/sinks_w$w.json"
-    done ;;
+    done
+    TAIL=8 step sinks_accuracy 150 python3 notes/experiments/sinks_accuracy.py --out "$OUT/sinks_accuracy.json" ;;
   profile)
     TAIL=6 step profile_tests 150 timeout -s INT 140 $GPU_TEST tests/test_pallas_mgpu.py -k "profiled_forward" \
         --durations 3
