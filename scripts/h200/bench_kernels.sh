@@ -24,7 +24,8 @@
 #                      at D 128 (GQA 32/8) and Gemma 2's D 256 with a 4096 window (GQA 16/8), 8k and 32k, fwd and
 #                      fwd+bwd: clis (the cap's bound), its tensor-core sum, online, the in-kernel radius, tokamax
 #   sinks              gpt-oss's learned sinks (GQA 64/8, D 64; full causal and window 128, its alternating layers),
-#                      GPU tests, then fwd and fwd+bwd 8k and 32k against cuDNN and tokamax (which take no sinks),
+#                      GPU tests, then fwd and fwd+bwd 8k and 32k (and the certified loop, clis_mgpu) against cuDNN
+#                      and tokamax (which take no sinks),
 #                      then the errors of o, dq, dk, dv, dsinks seed by seed, online and certified
 #                      (notes/experiments/sinks_accuracy.py)
 #   profile            the forward step's regions per warpgroup from Mosaic GPU's in-kernel profiler (GPU test,
@@ -109,12 +110,12 @@ case "$1" in
         --passes fwd fwd_bwd --impls clis online tokamax_mosaic --repeats 5 --inner 3 \
         --out "$OUT/cap50_w4096_d256.json" ;;
   sinks)
-    TAIL=8 step sinks_tests 200 timeout -s INT 190 $GPU_TEST tests/test_sinks_and_split_heads.py --durations 3
+    TAIL=8 step sinks_tests 260 timeout -s INT 250 $GPU_TEST tests/test_sinks_and_split_heads.py --durations 4
     for w in none 128; do
       window=(); [ "$w" = none ] || window=(--window "$w")
       TAIL=12 step "sinks_w$w" 170 python3 scripts/bench_attention.py --suite llm --seq-lens 8192 32768 \
           --tokens 32768 --llm-heads 64 8 64 "${window[@]}" --sinks 2 --causal yes --packed no --inputs sinks_many \
-          --passes fwd fwd_bwd --impls clis online cudnn tokamax_mosaic --repeats 5 --inner 3 \
+          --passes fwd fwd_bwd --impls clis online clis_mgpu cudnn tokamax_mosaic --repeats 5 --inner 3 \
           --out "$OUT/sinks_w$w.json"
     done
     TAIL=8 step sinks_accuracy 150 python3 notes/experiments/sinks_accuracy.py --out "$OUT/sinks_accuracy.json" ;;
