@@ -16,7 +16,8 @@ kernel; bidirectional packed rows against their segment's centre), or reads the 
   otherwise: the online softmax (running max, rescale), also the whole of stabilizer="online".
 Under the causal mask the loop splits into blocks wholly below the diagonal (no mask) and the
 few that straddle it; causal q tiles run last-first so the longest start early. A local window streams only the
-band's blocks and masks its edge blocks (masks.window_full_blocks); a soft cap caps Q·Kᵀ before the mask (`cap_tanh`).
+band's blocks and masks its edge blocks (masks.window_full_blocks); a soft cap caps Q·Kᵀ before the mask (`cap_tanh`);
+learned sinks join the rows' sums in the epilogue (`_add_sink`).
 Layout: q [B, S, Hq, D], k [B, S, Hkv, D], v [B, S, Hkv, Dv] (the API's; Dv = D, or MLA's 192/128 natively:
 SPLIT_HEAD_DIMS); lse [B, Hq, S] f32 base 2, as both backwards expect (pallas_mgpu_vjp, the default, and
 pallas_gpu_vjp's Triton one).
