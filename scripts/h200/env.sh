@@ -11,7 +11,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   echo "get_kernel_stats_tool = None  # stub: see scripts/h200/env.sh" > /tmp/site/xprof/cli/tools.py
 fi
 export PYTHONPATH=/tmp/site:$PWD/kernels:$PWD PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2
-export GPU_TEST="env JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_MEM_FRACTION=0.15 python3 -m pytest -q -n 6 -m gpu -p no:cacheprovider -rf"
+# cuda first (the default backend the tests see), cpu beside it: the Mosaic GPU profiler reads its buffer back through a
+# host callback, which needs a CPU device (test_profiled_forward_writes_its_step_regions_on_gpu).
+export GPU_TEST="env JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_MEM_FRACTION=0.15 python3 -m pytest -q -n 6 -m gpu -p no:cacheprovider -rf"
 
 # step NAME LIMIT_S CMD...: runs CMD under a time limit, its output to $OUT/NAME.log, and prints the exit status
 # and the log's tail (TAIL lines), so one call runs several steps and keeps every log.
