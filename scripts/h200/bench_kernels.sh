@@ -118,7 +118,8 @@ case "$1" in
           --passes fwd fwd_bwd --impls clis online clis_mgpu cudnn tokamax_mosaic --repeats 5 --inner 3 \
           --out "$OUT/sinks_w$w.json"
     done
-    TAIL=8 step sinks_accuracy 150 python3 notes/experiments/sinks_accuracy.py --out "$OUT/sinks_accuracy.json" ;;
+    TAIL=8 step sinks_accuracy 150 env PYTHONPATH="tests:$PYTHONPATH" python3 notes/experiments/sinks_accuracy.py \
+        --out "$OUT/sinks_accuracy.json" ;;
   profile)
     TAIL=6 step profile_tests 150 timeout -s INT 140 $GPU_TEST tests/test_pallas_mgpu.py -k "profiled_forward" \
         --durations 3
