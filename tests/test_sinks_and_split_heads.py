@@ -217,9 +217,9 @@ def test_learned_sinks_on_the_mosaic_gpu_kernels_match_float64(causal, packed, w
   gpt-oss's window 128 runs the online loop with a CTA walking 8 heads (pallas_mgpu.auto_heads_per_cta).
   Errors pool four seeds (‖got − want‖ over ‖want‖, both summed over the seeds). Each head's dsinks is a sum of sink
   weight · rowsum(dO∘o) over the rows, so its error is one Gaussian draw of a projection of o's error, of a size set
-  by the head's sink weights (e^sink: sinks 2·N(0, 1) make a few heads all of a plain norm). So dsinks' errors are
-  taken in units of each head's own spread (`dsinks_scale64`), every head one draw of equal weight: 64 heads × 4
-  seeds. Plain norms at 8/2 heads spread the clis/online ratio 0.55-7.4x seed to seed on the H200 while o's stayed
+  by the head's sink weights (e^sink: with sinks 2·N(0, 1) a plain norm over heads comes nearly all from the few with
+  the largest sinks). So dsinks' errors are taken in units of each head's own spread (`dsinks_scale64`), every head
+  one draw of equal weight: 64 heads × 4 seeds. Plain norms at 8/2 heads spread the clis/online ratio 0.55-7.4x seed to seed on the H200 while o's stayed
   1.05x (notes/experiments/sinks_accuracy.py, BENCHMARKS.md)."""
   b, s = 1, 1024
   seg = jnp.asarray([[1] * 400 + [2] * 600 + [0] * 24], jnp.int32) if packed else None
