@@ -76,6 +76,7 @@ FAST_CASES = {
     "test_pallas_mgpu.py::test_heads_per_cta_lowers_for_the_gpu": 2,
     "test_sinks_and_split_heads.py::test_learned_sinks_match_float64": 1,
     "test_sinks_and_split_heads.py::test_value_head_dim_other_than_the_qk_one": 1,
+    "test_sinks_and_split_heads.py::test_mosaic_gpu_forward_adds_the_sinks_in_its_epilogue": 2,
     "test_pallas_gpu_bounds.py::test_kernel_bounds_match_xla_and_hold": 2,
     "test_hf.py::test_logits_match_transformers_qwen": 1,
     "test_hf.py::test_logits_match_transformers_gemma2": 1,
