@@ -30,6 +30,9 @@
 #                      (notes/experiments/sinks_accuracy.py)
 #   profile            the forward step's regions per warpgroup from Mosaic GPU's in-kernel profiler (GPU test,
 #                      then D 128 GQA 32/8 causal 4k rows with and without cap 50: notes/experiments/profile_forward.py)
+#   sass               the forward's machine code, ours against tokamax's (D 128 GQA 32/8 causal 8k, with and without
+#                      cap 50): each step loop's instructions by opcode, ptxas's registers and spills, then ncu's
+#                      issue, pipe and stall sections of each attention kernel (notes/experiments/sass_forward.py)
 #   context_parallel [N]  context-parallel attention over N GPUs (default 1: the machinery's cost on one) against
 #                      one GPU, CLiS combine against an online ring: causal 32k GQA 32/8 D 128, sinks
 case "$1" in
@@ -128,11 +131,26 @@ case "$1" in
       TAIL=14 step "profile_d128_cap$cap" 90 python3 notes/experiments/profile_forward.py --heads 32 8 128 \
           --seq 4096 --batch 2 "${capflag[@]}" --out "$OUT/profile_d128_cap$cap.json"
     done ;;
+  sass)
+    uname -r
+    for impl in ours tokamax; do
+      for cap in none 50; do
+        name="${impl}_cap$cap" capflag=(); [ "$cap" = none ] || capflag=(--softcap "$cap")
+        TAIL=3 step "sass_$name" 150 python3 notes/experiments/sass_forward.py run --impl "$impl" "${capflag[@]}" \
+            --dump-dir "$OUT/dump_$name"
+        TAIL=14 step "count_$name" 60 python3 notes/experiments/sass_forward.py count "$OUT/dump_$name" \
+            --out "$OUT/count_$name.json"
+        TAIL=40 step "ncu_$name" 150 ncu --clock-control none --launch-count 12 --section SpeedOfLight \
+            --section ComputeWorkloadAnalysis --section InstructionStats --section WarpStateStats \
+            --section SchedulerStats --section Occupancy python3 notes/experiments/sass_forward.py run --impl "$impl" \
+            "${capflag[@]}" --no-dump --calls 2 --dump-dir /tmp/ncu_dump
+      done
+    done ;;
   context_parallel)
     TAIL=12 step "context_parallel_${2:-1}" 300 python3 scripts/bench_context_parallel.py --seq 32768 \
         --heads 32 8 128 --context "${2:-1}" --family sinks_many --repeats 5 --inner 3 \
         --out "$OUT/context_parallel_${2:-1}.json" ;;
   *) echo "usage: bench_kernels.sh bwd_parts|llm_d128|llm_d64|sweep FAMILY PACKED|bidir FAMILY|diffusion|mla|"\
 "mla_bwd_parts|mla_batch|delta_pass|lse FAMILY|d256|heads_per_cta|certify_rule FAMILY|soft_cap|sinks|profile|"\
-"context_parallel [N]"; exit 2 ;;
+"sass|context_parallel [N]"; exit 2 ;;
 esac

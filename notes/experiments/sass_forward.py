@@ -1,0 +1,148 @@
+"""The machine code of a Mosaic GPU forward's step loops: ours against tokamax's, by opcode (issue 36).
+
+Why: the profiler says our D 128 forward step is bound by its vector work (softmax 1.33 µs of a step, 1.69 with cap 50,
+against ~0.7 µs of matmuls), and tokamax's forward is 2-6% faster at the same tiles. Counting each step loop's
+instructions by opcode says where the extra work is (or that there is none, and the gap is in scheduling).
+
+`run` (on the H200) compiles and runs one forward with Mosaic GPU's dump switches on (MOSAIC_GPU_DUMP_TO, _SASS,
+_PTXAS: the SASS, and ptxas's register and spill report) and writes the dumps into --dump-dir. `count` (anywhere)
+reads a dump directory and prints, for every loop (a backward branch) holding wgmma instructions, its instructions by
+opcode; --out keeps them as JSON.
+
+  python3 notes/experiments/sass_forward.py run --impl ours --softcap 50 --dump-dir /tmp/d
+  python3 notes/experiments/sass_forward.py count /tmp/d --out counts.json
+"""
+
+import argparse
+import collections
+import json
+import os
+import pathlib
+import re
+
+INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)((?:\.[A-Za-z0-9_]+)*)(.*?);")
+LABEL = re.compile(r"^\s*(\.L_x_\d+|\.L_\w+):")
+TARGET = re.compile(r"`?\(?(\.L_x_\d+|\.L_\w+)\)?`?")
+
+
+def parse_sass(text: str) -> tuple[list[tuple[int, str, str]], dict[str, int]]:
+  """Instructions as (address, opcode, modifiers + operands) and labels as {name: address of the next instruction}."""
+  instructions, labels, pending = [], {}, []
+  for line in text.splitlines():
+    label = LABEL.match(line)
+    if label:
+      pending.append(label.group(1))
+      continue
+    match = INSTRUCTION.search(line)
+    if match:
+      address = int(match.group(1), 16)
+      for name in pending:
+        labels[name] = address
+      pending = []
+      instructions.append((address, match.group(2), match.group(3) + match.group(4)))
+  return instructions, labels
+
+
+def loops(instructions, labels) -> list[tuple[int, int]]:
+  """(first, last) addresses of every backward branch's range: the loops of the code."""
+  found = set()
+  for address, opcode, rest in instructions:
+    if opcode in ("BRA", "JMP"):
+      target = TARGET.search(rest)
+      if target and target.group(1) in labels and labels[target.group(1)] <= address:
+        found.add((labels[target.group(1)], address))
+  return sorted(found)
+
+
+KEEP_MODIFIER = ("MUFU", "F2FP", "HGMMA", "FMNMX", "WARPGROUP", "BAR", "SYNCS")
+
+
+def opcode_counts(instructions, first, last) -> collections.Counter:
+  """Instructions between two addresses by opcode; those in KEEP_MODIFIER keep their first modifier (MUFU.EX2)."""
+  counts = collections.Counter()
+  for address, opcode, rest in instructions:
+    if first <= address <= last:
+      if opcode in KEEP_MODIFIER and rest.startswith("."):
+        opcode += "." + rest[1:].split(".")[0].split()[0]
+      counts[opcode] += 1
+  return counts
+
+
+def count(dump_dir: pathlib.Path) -> list[dict]:
+  """Each SASS file's wgmma loops with their opcode counts, and ptxas's report lines."""
+  records = []
+  for path in sorted(dump_dir.iterdir()):
+    text = path.read_text(errors="replace")
+    if "ptxas" in path.name or "Used" in text[:20000] and "registers" in text[:20000] and "/*0000*/" not in text:
+      records.append(dict(file=path.name, ptxas=[line for line in text.splitlines()
+                                                  if "registers" in line or "spill" in line or "stack" in line]))
+      continue
+    instructions, labels = parse_sass(text)
+    if not instructions:
+      continue
+    kernel_loops = []
+    for first, last in loops(instructions, labels):
+      counts = opcode_counts(instructions, first, last)
+      if any(op.startswith("HGMMA") for op in counts):
+        kernel_loops.append(dict(first=hex(first), last=hex(last), instructions=sum(counts.values()),
+                                 opcodes=dict(counts.most_common())))
+    records.append(dict(file=path.name, instructions=len(instructions), loops=kernel_loops))
+  return records
+
+
+def run(args):
+  dump_dir = pathlib.Path(args.dump_dir)
+  dump_dir.mkdir(parents=True, exist_ok=True)
+  if not args.no_dump:
+    os.environ.update(MOSAIC_GPU_DUMP_TO=str(dump_dir), MOSAIC_GPU_DUMP_SASS="1", MOSAIC_GPU_DUMP_PTXAS="1")
+  import jax
+  from clis_kernels import attention, testing
+  hq, hkv, d = args.heads
+  q, k, v, _, _ = testing.inputs("sinks_many", args.batch, args.seq, hq, hkv, d)
+  cap = {} if args.softcap is None else dict(logits_soft_cap=args.softcap)
+  if args.impl == "ours":
+    forward = jax.jit(lambda q, k, v: attention(q, k, v, causal=True, implementation="pallas_mgpu",
+                                                stabilizer="online", **cap))
+  else:
+    import tokamax
+    forward = jax.jit(lambda q, k, v: tokamax.dot_product_attention(q, k, v, is_causal=True, implementation="mosaic",
+                                                                    **cap))
+  for _ in range(args.calls):
+    jax.block_until_ready(forward(q, k, v))
+  print("dumped:", sorted(p.name for p in dump_dir.iterdir()))
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  sub = parser.add_subparsers(dest="command", required=True)
+  r = sub.add_parser("run")
+  r.add_argument("--impl", choices=("ours", "tokamax"), required=True)
+  r.add_argument("--softcap", type=float, default=None)
+  r.add_argument("--heads", type=int, nargs=3, default=[32, 8, 128], metavar=("HQ", "HKV", "D"))
+  r.add_argument("--seq", type=int, default=8192)
+  r.add_argument("--batch", type=int, default=1)
+  r.add_argument("--calls", type=int, default=1, help="forward calls (ncu profiles the kernel's launches)")
+  r.add_argument("--dump-dir", required=True)
+  r.add_argument("--no-dump", action="store_true", help="run without the dump switches (under ncu)")
+  c = sub.add_parser("count")
+  c.add_argument("dump_dir")
+  c.add_argument("--out", default=None)
+  args = parser.parse_args()
+  if args.command == "run":
+    run(args)
+    return
+  records = count(pathlib.Path(args.dump_dir))
+  for record in records:
+    if "ptxas" in record:
+      print(record["file"], *record["ptxas"][:6], sep="\n  ")
+      continue
+    print(f"{record['file']}: {record['instructions']} instructions, {len(record['loops'])} wgmma loops")
+    for loop in record["loops"]:
+      top = ", ".join(f"{op} {n}" for op, n in list(loop["opcodes"].items())[:18])
+      print(f"  loop {loop['first']}-{loop['last']}: {loop['instructions']} instructions: {top}")
+  if args.out:
+    pathlib.Path(args.out).write_text(json.dumps(records, indent=1))
+
+
+if __name__ == "__main__":
+  main()
