@@ -98,6 +98,10 @@ class BlockSizes:
   warpgroup streams the same K/V blocks for each, and each head's q tile is loaded while the one before runs. For
   calls with few KV blocks per CTA, where a CTA's fixed costs (launch, first loads, the epilogue's store) are not
   hidden behind its loop. None (default): `auto_heads_per_cta`.
+  pinned_handover: with pingpong, each warpgroup stores its step's row sum to its rows buffer before the arrive
+  that hands the tensor cores over after the softmax. The arrive's release orders memory only, so without a store
+  that needs the softmax ptxas moves it to the softmax's start, and the two warpgroups' softmaxes overlap
+  (notes/experiments/sass_forward.py).
   The backward is the registry's choice (plan.py): "pallas_mgpu" takes pallas_mgpu_vjp's,
   "pallas_mgpu_triton_bwd" pallas_gpu_vjp's, each with its own BlockSizes.
   """
@@ -113,6 +117,7 @@ class BlockSizes:
   document_ranges: bool = True
   soft_cap_tanh: str = "approx"
   heads_per_cta: int | None = None
+  pinned_handover: bool = False
 
   def __post_init__(self):
     if self.heads_per_cta is not None and self.heads_per_cta < 1:
@@ -225,6 +230,7 @@ class _Config:
   tanh: str = "approx"  # BlockSizes.soft_cap_tanh
   heads: int = 1  # BlockSizes.heads_per_cta
   sinks: bool = False  # learned sink logits: the epilogue adds each head's term to the rows' sums (`_add_sink`)
+  pinned_handover: bool = False  # BlockSizes.pinned_handover
 
   @property
   def logit_scale(self) -> float:
@@ -785,6 +791,9 @@ def _step(c: _Config, s: _Scratch, ss, r: _Rows, fixed: bool, m0, i, carry, mask
   with jax.named_scope("softmax"):
     acc, m, l, l_lse, p_low = _weights(c, s, ss, r, fixed, i, slot, masked, qk, acc, m, l, l_lse)
   if c.pingpong:
+    sums = l_lse if l_lse is not None else None if fixed and c.exact_sum else l  # what the softmax has summed
+    if c.pinned_handover and sums is not None:  # a store that needs them, so the arrive's release waits for them
+      r.rows[...] = sums
     plgpu.barrier_arrive(s.schedule)  # softmax done
   if fixed and c.exact_sum and not c.tc_sum:  # while the other warpgroup holds the tensor cores
     with jax.named_scope("rounded_sum"):
@@ -1031,7 +1040,8 @@ def _launch(q, k, v, segment_ids, stab, *, mode: Mode, causal, scale, kv_len, bl
       track=track and visit is not None, list_width=0 if visit is None else visit.shape[-1],
       doc_ranges=bs.document_ranges and causal and segment_ids is not None and visit is None and window is None,
       window=None if window is None else tuple(int(w) for w in window),
-      cap2=None if softcap is None else float(softcap) * LOG2E, tanh=bs.soft_cap_tanh, sinks=sinks is not None)
+      cap2=None if softcap is None else float(softcap) * LOG2E, tanh=bs.soft_cap_tanh, sinks=sinks is not None,
+      pinned_handover=bs.pinned_handover)
   heads = bs.heads_per_cta
   if heads is None:
     heads = auto_heads_per_cta(mode=mode, group=config.group, window=config.window, listed=config.listed,

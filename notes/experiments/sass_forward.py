@@ -5,12 +5,16 @@ against ~0.7 µs of matmuls), and tokamax's forward is 2-6% faster at the same t
 instructions by opcode says where the extra work is (or that there is none, and the gap is in scheduling).
 
 `run` (on the H200) compiles and runs one forward with Mosaic GPU's dump switches on (MOSAIC_GPU_DUMP_TO, _SASS,
-_PTXAS: the SASS, and ptxas's register and spill report) and writes the dumps into --dump-dir. `count` (anywhere)
-reads a dump directory and prints, for every loop (a backward branch) holding wgmma instructions, its instructions by
-opcode; --out keeps them as JSON.
+_PTXAS) and writes the dumps into --dump-dir: the PTX and ptxas's register and spill report (the SASS only where
+nvdisasm is on the PATH, which the H200's image lacks). `sass` (anywhere with ptxas and nvdisasm, e.g. pip's
+nvidia-cuda-nvdisasm) assembles each dumped .ptx for sm_90a and disassembles it beside it. `count` reads a dump
+directory and prints, for every loop (a backward branch) holding wgmma instructions, its instructions by opcode; with
+--timeline also the loop in order, runs of arithmetic collapsed, so that one sees where the barriers' arrives and
+waits sit against the softmax (ptxas moves register-only work across an arrive); --out keeps them as JSON.
 
   python3 notes/experiments/sass_forward.py run --impl ours --softcap 50 --dump-dir /tmp/d
-  python3 notes/experiments/sass_forward.py count /tmp/d --out counts.json
+  python3 notes/experiments/sass_forward.py sass /tmp/d --nvdisasm nvidia/cu13/bin/nvdisasm
+  python3 notes/experiments/sass_forward.py count /tmp/d --timeline --out counts.json
 """
 
 import argparse
@@ -19,6 +23,7 @@ import json
 import os
 import pathlib
 import re
+import subprocess
 
 INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)((?:\.[A-Za-z0-9_]+)*)(.*?);")
 LABEL = re.compile(r"^\s*(\.L_x_\d+|\.L_\w+):")
@@ -68,6 +73,40 @@ def opcode_counts(instructions, first, last) -> collections.Counter:
   return counts
 
 
+ARITHMETIC = ("FMUL", "FADD", "FFMA", "FMNMX", "MUFU", "F2FP", "FSEL", "ISETP", "LOP3", "IMAD", "MOV", "UMOV", "UIADD3",
+              "SHF", "IADD3", "ULOP3", "USHF", "ULEA", "UISETP", "PLOP3", "UIMAD", "CS2R", "R2UR", "LEA", "VIADD")
+
+
+def timeline(instructions, first, last) -> list[str]:
+  """The loop in order: control, memory and barrier instructions as they are, runs of ARITHMETIC as one
+  "[opcode count ...]" line."""
+  lines, run = [], collections.Counter()
+  for address, opcode, rest in instructions:
+    if not first <= address <= last:
+      continue
+    if opcode in ARITHMETIC:
+      run[opcode] += 1
+      continue
+    if run:
+      lines.append("[" + " ".join(f"{op} {n}" for op, n in run.most_common()) + "]")
+      run.clear()
+    lines.append(f"{opcode}{rest.split()[0] if rest.startswith('.') else ''}")
+  if run:
+    lines.append("[" + " ".join(f"{op} {n}" for op, n in run.most_common()) + "]")
+  return lines
+
+
+def disassemble(dump_dir: pathlib.Path, nvdisasm: str, ptxas: str = "ptxas"):
+  """Writes NAME.sass beside each NAME.ptx (ptxas -arch=sm_90a -O3, then nvdisasm)."""
+  for ptx in sorted(dump_dir.glob("*.ptx")):
+    cubin = ptx.with_suffix(".cubin")
+    subprocess.run([ptxas, "-arch=sm_90a", "-O3", str(ptx), "-o", str(cubin)], check=True)
+    sass = subprocess.run([nvdisasm, "-c", str(cubin)], check=True, capture_output=True, text=True).stdout
+    ptx.with_suffix(".sass").write_text(sass)
+    cubin.unlink()
+    print("wrote", ptx.with_suffix(".sass"))
+
+
 def count(dump_dir: pathlib.Path) -> list[dict]:
   """Each SASS file's wgmma loops with their opcode counts, and ptxas's report lines."""
   records = []
@@ -85,7 +124,8 @@ def count(dump_dir: pathlib.Path) -> list[dict]:
       counts = opcode_counts(instructions, first, last)
       if any(op.startswith("HGMMA") for op in counts):
         kernel_loops.append(dict(first=hex(first), last=hex(last), instructions=sum(counts.values()),
-                                 opcodes=dict(counts.most_common())))
+                                 opcodes=dict(counts.most_common()),
+                                 timeline=timeline(instructions, first, last)))
     records.append(dict(file=path.name, instructions=len(instructions), loops=kernel_loops))
   return records
 
@@ -100,9 +140,11 @@ def run(args):
   hq, hkv, d = args.heads
   q, k, v, _, _ = testing.inputs("sinks_many", args.batch, args.seq, hq, hkv, d)
   cap = {} if args.softcap is None else dict(logits_soft_cap=args.softcap)
-  if args.impl == "ours":
+  if args.impl.startswith("ours"):
+    from clis_kernels import pallas_mgpu
+    tiles = pallas_mgpu.BlockSizes(pinned_handover=args.impl == "ours_pinned")
     forward = jax.jit(lambda q, k, v: attention(q, k, v, causal=True, implementation="pallas_mgpu",
-                                                stabilizer="online", **cap))
+                                                stabilizer=args.stabilizer, block_sizes=tiles, **cap))
   else:
     import tokamax
     forward = jax.jit(lambda q, k, v: tokamax.dot_product_attention(q, k, v, is_causal=True, implementation="mosaic",
@@ -116,7 +158,9 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   sub = parser.add_subparsers(dest="command", required=True)
   r = sub.add_parser("run")
-  r.add_argument("--impl", choices=("ours", "tokamax"), required=True)
+  r.add_argument("--impl", choices=("ours", "ours_pinned", "tokamax"), required=True,
+                 help="ours_pinned: BlockSizes(pinned_handover=True)")
+  r.add_argument("--stabilizer", choices=("online", "clis"), default="online", help="ours only")
   r.add_argument("--softcap", type=float, default=None)
   r.add_argument("--heads", type=int, nargs=3, default=[32, 8, 128], metavar=("HQ", "HKV", "D"))
   r.add_argument("--seq", type=int, default=8192)
@@ -124,12 +168,20 @@ def main():
   r.add_argument("--calls", type=int, default=1, help="forward calls (ncu profiles the kernel's launches)")
   r.add_argument("--dump-dir", required=True)
   r.add_argument("--no-dump", action="store_true", help="run without the dump switches (under ncu)")
+  d = sub.add_parser("sass")
+  d.add_argument("dump_dir")
+  d.add_argument("--nvdisasm", default="nvdisasm")
+  d.add_argument("--ptxas", default="ptxas")
   c = sub.add_parser("count")
   c.add_argument("dump_dir")
+  c.add_argument("--timeline", action="store_true", help="also print each wgmma loop in order")
   c.add_argument("--out", default=None)
   args = parser.parse_args()
   if args.command == "run":
     run(args)
+    return
+  if args.command == "sass":
+    disassemble(pathlib.Path(args.dump_dir), args.nvdisasm, args.ptxas)
     return
   records = count(pathlib.Path(args.dump_dir))
   for record in records:
@@ -140,6 +192,8 @@ def main():
     for loop in record["loops"]:
       top = ", ".join(f"{op} {n}" for op, n in list(loop["opcodes"].items())[:18])
       print(f"  loop {loop['first']}-{loop['last']}: {loop['instructions']} instructions: {top}")
+      if args.timeline:
+        print(*(f"      {line}" for line in loop["timeline"]), sep="\n")
   if args.out:
     pathlib.Path(args.out).write_text(json.dumps(records, indent=1))
 

@@ -33,6 +33,9 @@
 #   sass               the forward's machine code, ours against tokamax's (D 128 GQA 32/8 causal 8k, with and without
 #                      cap 50): each step loop's instructions by opcode, ptxas's registers and spills, then ncu's
 #                      issue, pipe and stall sections of each attention kernel (notes/experiments/sass_forward.py)
+#   pinned_handover [cap]  BlockSizes(pinned_handover): its GPU tests and the PTX of ours (default and pinned) and
+#                      tokamax's forward, then the forward at D 128 (GQA 32/8) causal 8k and 32k against the default,
+#                      cuDNN and tokamax; with "cap", the same at cap 50 (online and the cap's bound) against tokamax
 #   context_parallel [N]  context-parallel attention over N GPUs (default 1: the machinery's cost on one) against
 #                      one GPU, CLiS combine against an online ring: causal 32k GQA 32/8 D 128, sinks
 case "$1" in
@@ -146,11 +149,28 @@ case "$1" in
             "${capflag[@]}" --no-dump --calls 2 --dump-dir /tmp/ncu_dump
       done
     done ;;
+  pinned_handover)
+    if [ "$2" = cap ]; then
+      TAIL=16 step pinned_cap50_d128 280 python3 scripts/bench_attention.py --suite llm --seq-lens 8192 32768 \
+          --tokens 32768 --softcap 50 --causal yes --packed no --inputs sinks_many --passes fwd \
+          --impls online online_pinned clis_mgpu_cap clis_cap_pinned tokamax_mosaic --repeats 7 --inner 3 \
+          --out "$OUT/pinned_cap50_d128.json"
+    else
+      TAIL=8 step pinned_tests 150 timeout -s INT 140 $GPU_TEST tests/test_pallas_mgpu.py -k "pinned" --durations 3
+      for impl in ours ours_pinned tokamax; do
+        TAIL=2 step "dump_$impl" 60 python3 notes/experiments/sass_forward.py run --impl "$impl" \
+            --dump-dir "$OUT/dump_$impl"
+      done
+      TAIL=16 step pinned_d128 240 python3 scripts/bench_attention.py --suite llm --seq-lens 8192 32768 \
+          --tokens 32768 --causal yes --packed no --inputs sinks_many --passes fwd \
+          --impls online online_pinned clis_mgpu clis_mgpu_pinned cudnn tokamax_mosaic --repeats 7 --inner 3 \
+          --out "$OUT/pinned_d128.json"
+    fi ;;
   context_parallel)
     TAIL=12 step "context_parallel_${2:-1}" 300 python3 scripts/bench_context_parallel.py --seq 32768 \
         --heads 32 8 128 --context "${2:-1}" --family sinks_many --repeats 5 --inner 3 \
         --out "$OUT/context_parallel_${2:-1}.json" ;;
   *) echo "usage: bench_kernels.sh bwd_parts|llm_d128|llm_d64|sweep FAMILY PACKED|bidir FAMILY|diffusion|mla|"\
 "mla_bwd_parts|mla_batch|delta_pass|lse FAMILY|d256|heads_per_cta|certify_rule FAMILY|soft_cap|sinks|profile|"\
-"sass|context_parallel [N]"; exit 2 ;;
+"sass|pinned_handover [cap]|context_parallel [N]"; exit 2 ;;
 esac
