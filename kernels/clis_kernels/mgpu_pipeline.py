@@ -60,23 +60,30 @@ def kv_blocks(row0, rows, *, causal: bool, block_kv: int, num_kv_blocks: int, kv
   return masks.bidirectional_kv_blocks(kv_len=kv_len, block_k=block_kv, num_kv_blocks=num_kv_blocks)
 
 
-def stream_blocks(load, *, num_blocks, slots: int, free):
+def stream_blocks(load, *, num_blocks, slots: int, free, one_warp: bool = False):
   """The memory warpgroup's loop: load(block, slot) for blocks [0, num_blocks), round-robin over
   `slots` shared-memory buffers; a slot is refilled once every barrier in `free` says both compute
-  warpgroups are done with its previous block."""
-  for slot in range(slots):
-    pl.when(slot < num_blocks)(functools.partial(load, jnp.int32(slot), slot))
+  warpgroups are done with its previous block. one_warp: only the warpgroup's first warp runs it (as tokamax's
+  forward), so the other three issue nothing on the schedulers they share with the compute warps."""
+  def loop():
+    for slot in range(slots):
+      pl.when(slot < num_blocks)(functools.partial(load, jnp.int32(slot), slot))
 
-  @pl.loop(jnp.int32(slots), jnp.asarray(num_blocks, jnp.int32))  # int32 under jax_enable_x64 too
-  def _(block):
-    slot = lax.rem(block, jnp.int32(slots))
-    for barrier in free:
-      plgpu.barrier_wait(barrier.at[slot])
-    load(block, slot)
+    @pl.loop(jnp.int32(slots), jnp.asarray(num_blocks, jnp.int32))  # int32 under jax_enable_x64 too
+    def _(block):
+      slot = lax.rem(block, jnp.int32(slots))
+      for barrier in free:
+        plgpu.barrier_wait(barrier.at[slot])
+      load(block, slot)
+
+  if one_warp:
+    plgpu.warp_map(lambda warp: pl.when(warp == 0)(loop))
+  else:
+    loop()
 
 
 def stream_kv(k_ref, v_ref, kseg_ref, k_smem, v_smem, kseg_smem, k_ready, v_ready, kseg_ready, *, batch, kv_head,
-              block_kv: int, num_blocks, slots: int, free, block_of=lambda i: i):
+              block_kv: int, num_blocks, slots: int, free, block_of=lambda i: i, one_warp: bool = False):
   """stream_blocks for the K and V blocks of one (batch, kv head), and their key segment ids when
   packed (kseg_ref not None): step i loads keys [b·block_kv, (b+1)·block_kv) of block b = block_of(i)
   (i itself, or a kept-tile list's entry)."""
@@ -87,7 +94,7 @@ def stream_kv(k_ref, v_ref, kseg_ref, k_smem, v_smem, kseg_smem, k_ready, v_read
     if kseg_ref is not None:
       plgpu.copy_gmem_to_smem(kseg_ref.at[batch, keys], kseg_smem.at[slot], kseg_ready.at[slot])
 
-  stream_blocks(load, num_blocks=num_blocks, slots=slots, free=free)
+  stream_blocks(load, num_blocks=num_blocks, slots=slots, free=free, one_warp=one_warp)
 
 
 RANGE_WIDTH = 16  # a CTA's loop bound (document ranges) travels as one 64-byte TMA row, the bound in entry 0

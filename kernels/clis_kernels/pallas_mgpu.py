@@ -98,6 +98,7 @@ class BlockSizes:
   warpgroup streams the same K/V blocks for each, and each head's q tile is loaded while the one before runs. For
   calls with few KV blocks per CTA, where a CTA's fixed costs (launch, first loads, the epilogue's store) are not
   hidden behind its loop. None (default): `auto_heads_per_cta`.
+  one_memory_warp: only the memory warpgroup's first warp streams the K/V blocks (mgpu_pipeline.stream_blocks).
   pinned_handover: with pingpong, each warpgroup stores its step's row sum to its rows buffer before the arrive
   that hands the tensor cores over after the softmax. The arrive's release orders memory only, so without a store
   that needs the softmax ptxas moves it to the softmax's start, and the two warpgroups' softmaxes overlap
@@ -118,6 +119,7 @@ class BlockSizes:
   soft_cap_tanh: str = "approx"
   heads_per_cta: int | None = None
   pinned_handover: bool = False
+  one_memory_warp: bool = False
 
   def __post_init__(self):
     if self.heads_per_cta is not None and self.heads_per_cta < 1:
@@ -231,6 +233,7 @@ class _Config:
   heads: int = 1  # BlockSizes.heads_per_cta
   sinks: bool = False  # learned sink logits: the epilogue adds each head's term to the rows' sums (`_add_sink`)
   pinned_handover: bool = False  # BlockSizes.pinned_handover
+  one_memory_warp: bool = False  # BlockSizes.one_memory_warp
 
   @property
   def logit_scale(self) -> float:
@@ -473,7 +476,8 @@ def _kernel(q_ref, k_ref, v_ref, *refs, config: _Config):
         num_blocks, block_in_stream = c.heads * blocks, lambda i: block_of(lax.rem(i, per_head))
       stream_kv(k_ref, v_ref, kseg_ref, s.k, s.v, None if ss is None else ss.kseg, s.k_ready, s.v_ready,
                 None if ss is None else ss.kseg_ready, batch=batch, kv_head=kv_head, block_kv=c.block_kv,
-                num_blocks=num_blocks, slots=c.slots, free=(s.k_free, s.v_free), block_of=block_in_stream)
+                num_blocks=num_blocks, slots=c.slots, free=(s.k_free, s.v_free), block_of=block_in_stream,
+                one_warp=c.one_memory_warp)
 
   pl.run_scoped(body, *_scratch(c, dtype, head_dim, v_ref.shape[-1]), collective_axes="wg")
 
@@ -1041,7 +1045,7 @@ def _launch(q, k, v, segment_ids, stab, *, mode: Mode, causal, scale, kv_len, bl
       doc_ranges=bs.document_ranges and causal and segment_ids is not None and visit is None and window is None,
       window=None if window is None else tuple(int(w) for w in window),
       cap2=None if softcap is None else float(softcap) * LOG2E, tanh=bs.soft_cap_tanh, sinks=sinks is not None,
-      pinned_handover=bs.pinned_handover)
+      pinned_handover=bs.pinned_handover, one_memory_warp=bs.one_memory_warp)
   heads = bs.heads_per_cta
   if heads is None:
     heads = auto_heads_per_cta(mode=mode, group=config.group, window=config.window, listed=config.listed,

@@ -30,12 +30,15 @@
 #                      (notes/experiments/sinks_accuracy.py)
 #   profile            the forward step's regions per warpgroup from Mosaic GPU's in-kernel profiler (GPU test,
 #                      then D 128 GQA 32/8 causal 4k rows with and without cap 50: notes/experiments/profile_forward.py)
-#   sass               the forward's machine code, ours against tokamax's (D 128 GQA 32/8 causal 8k, with and without
-#                      cap 50): each step loop's instructions by opcode, ptxas's registers and spills, then ncu's
-#                      issue, pipe and stall sections of each attention kernel (notes/experiments/sass_forward.py)
+#   sass               the forward's PTX, ours against tokamax's (D 128 GQA 32/8 causal 8k, with and without cap 50),
+#                      and ptxas's registers and spills, then ncu's issue, pipe and stall sections of each attention
+#                      kernel (notes/experiments/sass_forward.py: `sass` and `count` read the PTX here afterwards)
 #   pinned_handover [cap]  BlockSizes(pinned_handover): its GPU tests and the PTX of ours (default and pinned) and
 #                      tokamax's forward, then the forward at D 128 (GQA 32/8) causal 8k and 32k against the default,
 #                      cuDNN and tokamax; with "cap", the same at cap 50 (online and the cap's bound) against tokamax
+#   one_memory_warp [more]  BlockSizes(one_memory_warp) in the forward and backward: GPU tests, then D 128 (GQA 32/8)
+#                      causal 8k and 32k fwd and fwd+bwd against the default, cuDNN and tokamax; with "more", cap 50
+#                      D 128, Gemma 2 (D 256, cap 50, window 4096) and MLA 192/128 against tokamax and cuDNN
 #   context_parallel [N]  context-parallel attention over N GPUs (default 1: the machinery's cost on one) against
 #                      one GPU, CLiS combine against an online ring: causal 32k GQA 32/8 D 128, sinks
 case "$1" in
@@ -139,14 +142,19 @@ case "$1" in
     for impl in ours tokamax; do
       for cap in none 50; do
         name="${impl}_cap$cap" capflag=(); [ "$cap" = none ] || capflag=(--softcap "$cap")
-        TAIL=3 step "sass_$name" 150 python3 notes/experiments/sass_forward.py run --impl "$impl" "${capflag[@]}" \
+        TAIL=3 step "sass_$name" 90 python3 notes/experiments/sass_forward.py run --impl "$impl" "${capflag[@]}" \
             --dump-dir "$OUT/dump_$name"
-        TAIL=14 step "count_$name" 60 python3 notes/experiments/sass_forward.py count "$OUT/dump_$name" \
-            --out "$OUT/count_$name.json"
-        TAIL=40 step "ncu_$name" 150 ncu --clock-control none --launch-count 12 --section SpeedOfLight \
-            --section ComputeWorkloadAnalysis --section InstructionStats --section WarpStateStats \
-            --section SchedulerStats --section Occupancy python3 notes/experiments/sass_forward.py run --impl "$impl" \
-            "${capflag[@]}" --no-dump --calls 2 --dump-dir /tmp/ncu_dump
+      done
+    done
+    # ncu last (a profile cut off by its time limit left the GPU unusable to the next process), the attention kernel
+    # alone: ours is Pallas' anonymous_N, tokamax's flash_attention_sm90
+    for impl in ours tokamax; do
+      for cap in none 50; do
+        name="${impl}_cap$cap" capflag=(); [ "$cap" = none ] || capflag=(--softcap "$cap")
+        TAIL=50 step "ncu_$name" 100 timeout -s INT 90 ncu --clock-control none -k "regex:anonymous|flash_attention" \
+            --launch-count 1 --section SpeedOfLight --section InstructionStats --section WarpStateStats \
+            --section SchedulerStats --section Occupancy python3 notes/experiments/sass_forward.py run \
+            --impl "$impl" "${capflag[@]}" --no-dump --dump-dir /tmp/ncu_dump
       done
     done ;;
   pinned_handover)
@@ -166,11 +174,30 @@ case "$1" in
           --impls online online_pinned clis_mgpu clis_mgpu_pinned cudnn tokamax_mosaic --repeats 7 --inner 3 \
           --out "$OUT/pinned_d128.json"
     fi ;;
+  one_memory_warp)
+    common=(--tokens 32768 --causal yes --packed no --inputs sinks_many --repeats 7 --inner 3)
+    if [ "$2" = more ]; then
+      TAIL=12 step one_warp_cap50 150 python3 scripts/bench_attention.py --suite llm --seq-lens 8192 32768 \
+          --softcap 50 --passes fwd --impls online online_one_warp tokamax_mosaic "${common[@]}" \
+          --out "$OUT/one_warp_cap50.json"
+      TAIL=16 step one_warp_gemma2 200 python3 scripts/bench_attention.py --suite llm --llm-heads 16 8 256 \
+          --seq-lens 8192 32768 --softcap 50 --window 4096 --passes fwd fwd_bwd \
+          --impls online online_one_warp tokamax_mosaic "${common[@]}" --out "$OUT/one_warp_gemma2.json"
+      TAIL=16 step one_warp_mla 200 python3 scripts/bench_attention.py --suite llm --llm-heads 16 16 192 \
+          --value-dim 128 --seq-lens 8192 32768 --passes fwd fwd_bwd --impls online online_one_warp tokamax_mosaic \
+          "${common[@]}" --out "$OUT/one_warp_mla.json"
+    else
+      TAIL=8 step one_warp_tests 170 timeout -s INT 160 $GPU_TEST tests/test_pallas_mgpu.py \
+          -k "one_memory_warp or schedule_variants_change" --durations 3
+      TAIL=28 step one_warp_d128 320 python3 scripts/bench_attention.py --suite llm --seq-lens 8192 32768 \
+          --passes fwd fwd_bwd --impls online online_one_warp clis_mgpu clis_mgpu_one_warp cudnn tokamax_mosaic \
+          "${common[@]}" --out "$OUT/one_warp_d128.json"
+    fi ;;
   context_parallel)
     TAIL=12 step "context_parallel_${2:-1}" 300 python3 scripts/bench_context_parallel.py --seq 32768 \
         --heads 32 8 128 --context "${2:-1}" --family sinks_many --repeats 5 --inner 3 \
         --out "$OUT/context_parallel_${2:-1}.json" ;;
   *) echo "usage: bench_kernels.sh bwd_parts|llm_d128|llm_d64|sweep FAMILY PACKED|bidir FAMILY|diffusion|mla|"\
 "mla_bwd_parts|mla_batch|delta_pass|lse FAMILY|d256|heads_per_cta|certify_rule FAMILY|soft_cap|sinks|profile|"\
-"sass|pinned_handover [cap]|context_parallel [N]"; exit 2 ;;
+"sass|pinned_handover [cap]|one_memory_warp [more]|context_parallel [N]"; exit 2 ;;
 esac
