@@ -128,8 +128,7 @@ FEATURED = ("clis", "online", "clis_blocks", "clis_radius", "clis_cap", "clis_mg
             "cudnn", "clis_triton", "online_triton", "clis_mgpu",
             "online_mgpu", "clis_mgpu_triton_bwd", "online_mgpu_triton_bwd", "clis_exp2_tanh", "online_exp2_tanh",
             "online_heads1", "online_heads2", "online_heads4", "online_heads8", "tokamax_mosaic", "tokamax_triton",
-            "online_pinned", "clis_mgpu_pinned", "clis_cap_pinned", "online_one_warp", "clis_mgpu_one_warp",
-            "clis_cap_one_warp")
+            "online_pinned", "clis_mgpu_pinned", "clis_cap_pinned", "online_four_warps", "clis_mgpu_four_warps")
 
 
 SINKLESS = ("cudnn", "tokamax_mosaic", "tokamax_triton", "tokamax_k_start", "splash")  # entry points with no sinks
@@ -209,14 +208,12 @@ def _pinned(q, k, v, seg, causal, stabilizer, **kw):
                    block_sizes=dataclasses.replace(tiles, pinned_handover=True), **kw)
 
 
-def _one_warp(q, k, v, seg, causal, stabilizer, **kw):
-  """The Mosaic GPU forward and backward with one warp of the memory warpgroup streaming blocks
-  (BlockSizes(one_memory_warp=True), both) at the head dim's default tiles."""
-  d, s = q.shape[-1], q.shape[1]
-  tiles = dataclasses.replace(pallas_mgpu.default_block_sizes(d, s, q.dtype), one_memory_warp=True)
-  backward = dataclasses.replace(pallas_mgpu_vjp.default_block_sizes(d, s, q.dtype), one_memory_warp=True)
+def _four_warps(q, k, v, seg, causal, stabilizer, **kw):
+  """The Mosaic GPU forward with the whole memory warpgroup streaming blocks (BlockSizes(one_memory_warp=False), the
+  default before 2026-12-04) at the head dim's default tiles."""
+  tiles = dataclasses.replace(pallas_mgpu.default_block_sizes(q.shape[-1], q.shape[1], q.dtype), one_memory_warp=False)
   return attention(q, k, v, seg, causal=causal, stabilizer=stabilizer, implementation="pallas_mgpu",
-                   block_sizes=tiles, backward_block_sizes=backward, **kw)
+                   block_sizes=tiles, **kw)
 
 
 def _rounded_lse(q, k, v, seg, causal, stabilizer):
@@ -287,9 +284,8 @@ def implementations(names, platform, quick):
     table["online_pinned"] = functools.partial(_pinned, stabilizer="online")
     table["clis_mgpu_pinned"] = functools.partial(_pinned, stabilizer="clis")
     table["clis_cap_pinned"] = functools.partial(_pinned, stabilizer="clis", bound="cap")
-    table["online_one_warp"] = functools.partial(_one_warp, stabilizer="online")
-    table["clis_mgpu_one_warp"] = functools.partial(_one_warp, stabilizer="clis")
-    table["clis_cap_one_warp"] = functools.partial(_one_warp, stabilizer="clis", bound="cap")
+    table["online_four_warps"] = functools.partial(_four_warps, stabilizer="online")
+    table["clis_mgpu_four_warps"] = functools.partial(_four_warps, stabilizer="clis")
     for heads in (1, 2, 4, 8):
       table[f"online_heads{heads}"] = functools.partial(_heads_per_cta, stabilizer="online", heads=heads)
     table["tokamax_k_start"] = _tokamax_k_start

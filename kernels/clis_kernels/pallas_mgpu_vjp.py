@@ -55,15 +55,13 @@ class BlockSizes:
   so each step adds a [64, 64] f32 part per warpgroup instead of [64, 128] (half the reduce-add bytes, half the
   dQ accumulator's registers, half the staging memory). Both warpgroups then walk the CTA's steps in lockstep
   (one 2-arrival barrier per step). Opt-in until timed on the H200.
-  soft_cap_tanh: logits_soft_cap's tanh, as the forward's BlockSizes field of that name (they should agree).
-  one_memory_warp: only the memory warpgroup's first warp streams blocks (the forward's field of that name)."""
+  soft_cap_tanh: logits_soft_cap's tanh, as the forward's BlockSizes field of that name (they should agree)."""
 
   slots: int = 2
   fused_dq: bool = False
   document_ranges: bool = True
   split_dq: bool = False
   soft_cap_tanh: str = "approx"
-  one_memory_warp: bool = False
 
   def __post_init__(self):
     if self.soft_cap_tanh not in TANHS:
@@ -109,8 +107,7 @@ def _capped(s, sigma2: float, cap2, tanh: str):
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, sigma2, scale, slots, kv_len,
-               group, has_segments, doc_ranges: bool = False, window=None, cap2=None, tanh: str = "approx",
-               one_warp: bool = False):
+               group, has_segments, doc_ranges: bool = False, window=None, cap2=None, tanh: str = "approx"):
   qseg_ref = kseg_ref = range_ref = None
   if has_segments:
     (qseg_ref, kseg_ref), refs = refs[:2], refs[2:]
@@ -226,8 +223,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, s
       plgpu.set_max_registers(40, action="decrease")
 
       stream_kv(k_ref, v_ref, kseg_ref, k_smem, v_smem, kseg_smem, k_ready, v_ready, kseg_ready, batch=batch,
-                kv_head=kv_head, block_kv=ROWS, num_blocks=blocks, slots=slots, free=(free,), block_of=block_of,
-                one_warp=one_warp)
+                kv_head=kv_head, block_kv=ROWS, num_blocks=blocks, slots=slots, free=(free,), block_of=block_of)
 
   per_wg = lambda: plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS)
   per_slot = lambda: plgpu.Barrier(num_barriers=slots)
@@ -261,7 +257,7 @@ def _q_blocks(kv0, rows, *, causal: bool, num_q_blocks: int):
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, sigma2, scale, slots, group,
                 has_segments, fused_dq: bool = False, split_dq: bool = False, doc_ranges: bool = False, window=None,
-                cap2=None, tanh: str = "approx", one_warp: bool = False):
+                cap2=None, tanh: str = "approx"):
   qseg_ref = kseg_ref = dq_ref = range_ref = None
   if has_segments:
     (qseg_ref, kseg_ref), refs = refs[:2], refs[2:]
@@ -404,7 +400,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
       if has_segments:
         streams.append((qseg_ref, qseg_smem, qseg_ready, lambda h, r: (batch, r)))
       _stream_query_blocks(streams, kv_head=kv_head, group=group, per_head=per_head, cta_first=cta_first,
-                           slots=slots, free=free, one_warp=one_warp)
+                           slots=slots, free=free)
 
   pl.run_scoped(body, *_dkv_scratch(dtype, head_dim, value_head_dim, slots, has_segments, fused_dq, split_dq),
                 *(range_scratch() if doc_ranges else ()), collective_axes="wg")
@@ -426,8 +422,7 @@ def _walk_q_blocks(step, carry, g, *, kv0, first, first_full, end, causal: bool,
   return int32_loop(0, num_q_blocks, functools.partial(step, g=g, masked=False), carry)
 
 
-def _stream_query_blocks(streams, *, kv_head, group: int, per_head, cta_first, slots: int, free,
-                         one_warp: bool = False):
+def _stream_query_blocks(streams, *, kv_head, group: int, per_head, cta_first, slots: int, free):
   """The dK/dV kernel's memory warpgroup: block i of the stream is head i // per_head of the kv head's group,
   query rows from block cta_first + i % per_head; each (gmem ref, smem, ready barrier, index of (head, rows))
   in `streams` is loaded for it."""
@@ -437,7 +432,7 @@ def _stream_query_blocks(streams, *, kv_head, group: int, per_head, cta_first, s
     for ref, smem, ready, at in streams:
       plgpu.copy_gmem_to_smem(ref.at[at(head, rows)], smem.at[slot], ready.at[slot])
 
-  stream_blocks(load, num_blocks=group * per_head, slots=slots, free=(free,), one_warp=one_warp)
+  stream_blocks(load, num_blocks=group * per_head, slots=slots, free=(free,))
 
 
 def _fused_update(dk, dv, p, ds_low, do_block, q_block, k_rows, ds_buf):
@@ -587,8 +582,7 @@ class Launches:
     self.common = dict(causal=causal, sigma2=scale * LOG2E, scale=scale, slots=block_sizes.slots,
                        group=num_heads // num_kv_heads, has_segments=segment_ids is not None, doc_ranges=doc_ranges,
                        window=None if window is None else tuple(int(w) for w in window),
-                       cap2=None if softcap is None else float(softcap) * LOG2E, tanh=block_sizes.soft_cap_tanh,
-                       one_warp=block_sizes.one_memory_warp)
+                       cap2=None if softcap is None else float(softcap) * LOG2E, tanh=block_sizes.soft_cap_tanh)
     self.dq_args, self.dkv_args = args, args
     cta_rows = ROWS if self.wide else COMPUTE_WARPGROUPS * ROWS  # the wide kernels' warpgroups share their rows
     if doc_ranges:

@@ -46,8 +46,7 @@ def _hand_over(p_smem, ds_smem, p_low, ds_low, handed, taken):
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, sigma2, scale, slots, group,
-                has_segments, doc_ranges: bool = False, window=None, cap2=None, tanh: str = "approx",
-                one_warp: bool = False):
+                has_segments, doc_ranges: bool = False, window=None, cap2=None, tanh: str = "approx"):
   qseg_ref = kseg_ref = range_ref = None
   if has_segments:
     (qseg_ref, kseg_ref), refs = refs[:2], refs[2:]
@@ -195,7 +194,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
       if has_segments:
         streams.append((qseg_ref, qseg_smem, qseg_ready, lambda h, r: (batch, r)))
       _stream_query_blocks(streams, kv_head=kv_head, group=group, per_head=per_head, cta_first=first, slots=slots,
-                           free=free, one_warp=one_warp)
+                           free=free)
 
   one = lambda: plgpu.Barrier(num_barriers=1)
   per_slot = lambda: plgpu.Barrier(num_barriers=slots)
@@ -221,8 +220,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, sigma2, scale, slots, kv_len,
-               group, has_segments, doc_ranges: bool = False, window=None, cap2=None, tanh: str = "approx",
-               one_warp: bool = False):
+               group, has_segments, doc_ranges: bool = False, window=None, cap2=None, tanh: str = "approx"):
   qseg_ref = kseg_ref = range_ref = None
   if has_segments:
     (qseg_ref, kseg_ref), refs = refs[:2], refs[2:]
@@ -364,7 +362,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, s
       plgpu.set_max_registers(40, action="decrease")
       stream_kv(k_ref, v_ref, kseg_ref, k_smem, v_smem, kseg_smem, k_ready, v_ready, kseg_ready, batch=batch,
                 kv_head=kv_head, block_kv=ROWS, num_blocks=blocks, slots=slots, free=(free,),
-                block_of=lambda i: first + i, one_warp=one_warp)
+                block_of=lambda i: first + i)
 
   one = lambda: plgpu.Barrier(num_barriers=1)
   per_slot = lambda: plgpu.Barrier(num_barriers=slots)

@@ -36,9 +36,10 @@
 #   pinned_handover [cap]  BlockSizes(pinned_handover): its GPU tests and the PTX of ours (default and pinned) and
 #                      tokamax's forward, then the forward at D 128 (GQA 32/8) causal 8k and 32k against the default,
 #                      cuDNN and tokamax; with "cap", the same at cap 50 (online and the cap's bound) against tokamax
-#   one_memory_warp [more]  BlockSizes(one_memory_warp) in the forward and backward: GPU tests, then D 128 (GQA 32/8)
-#                      causal 8k and 32k fwd and fwd+bwd against the default, cuDNN and tokamax; with "more", cap 50
-#                      D 128, Gemma 2 (D 256, cap 50, window 4096) and MLA 192/128 against tokamax and cuDNN
+#   one_memory_warp [more]  the forward's BlockSizes(one_memory_warp), the default, against four streaming warps: GPU
+#                      tests, then D 128 (GQA 32/8) causal 8k and 32k fwd and fwd+bwd with cuDNN and tokamax; with
+#                      "more", GPU tests of the forward's features, then cap 50 D 128, Gemma 2 (D 256, cap 50, window
+#                      4096) and MLA 192/128 against tokamax
 #   context_parallel [N]  context-parallel attention over N GPUs (default 1: the machinery's cost on one) against
 #                      one GPU, CLiS combine against an online ring: causal 32k GQA 32/8 D 128, sinks
 case "$1" in
@@ -176,21 +177,24 @@ case "$1" in
     fi ;;
   one_memory_warp)
     common=(--tokens 32768 --causal yes --packed no --inputs sinks_many --repeats 7 --inner 3)
-    if [ "$2" = more ]; then
-      TAIL=12 step one_warp_cap50 150 python3 scripts/bench_attention.py --suite llm --seq-lens 8192 32768 \
-          --softcap 50 --passes fwd --impls online online_one_warp tokamax_mosaic "${common[@]}" \
+    if [ "$2" = more ]; then  # the default (one warp) against four, after the GPU tests of the forward's features
+      TAIL=8 step one_warp_tests 150 timeout -s INT 140 $GPU_TEST tests/test_pallas_mgpu.py \
+          tests/test_sinks_and_split_heads.py --durations 3 \
+          -k "schedule_variants_change or window_and_soft_cap_match or mla_matches or learned_sinks_on_the_mosaic"
+      TAIL=8 step one_warp_cap50 90 python3 scripts/bench_attention.py --suite llm --seq-lens 8192 32768 \
+          --softcap 50 --passes fwd --impls online online_four_warps tokamax_mosaic "${common[@]}" \
           --out "$OUT/one_warp_cap50.json"
-      TAIL=16 step one_warp_gemma2 200 python3 scripts/bench_attention.py --suite llm --llm-heads 16 8 256 \
+      TAIL=14 step one_warp_gemma2 140 python3 scripts/bench_attention.py --suite llm --llm-heads 16 8 256 \
           --seq-lens 8192 32768 --softcap 50 --window 4096 --passes fwd fwd_bwd \
-          --impls online online_one_warp tokamax_mosaic "${common[@]}" --out "$OUT/one_warp_gemma2.json"
-      TAIL=16 step one_warp_mla 200 python3 scripts/bench_attention.py --suite llm --llm-heads 16 16 192 \
-          --value-dim 128 --seq-lens 8192 32768 --passes fwd fwd_bwd --impls online online_one_warp tokamax_mosaic \
+          --impls online online_four_warps tokamax_mosaic "${common[@]}" --out "$OUT/one_warp_gemma2.json"
+      TAIL=14 step one_warp_mla 140 python3 scripts/bench_attention.py --suite llm --llm-heads 16 16 192 \
+          --value-dim 128 --seq-lens 8192 32768 --passes fwd fwd_bwd --impls online online_four_warps tokamax_mosaic \
           "${common[@]}" --out "$OUT/one_warp_mla.json"
-    else
+    else  # as first run, when one warp was opt-in (its impls are gone: their names now say four warps)
       TAIL=8 step one_warp_tests 170 timeout -s INT 160 $GPU_TEST tests/test_pallas_mgpu.py \
-          -k "one_memory_warp or schedule_variants_change" --durations 3
+          -k "schedule_variants_change" --durations 3
       TAIL=28 step one_warp_d128 320 python3 scripts/bench_attention.py --suite llm --seq-lens 8192 32768 \
-          --passes fwd fwd_bwd --impls online online_one_warp clis_mgpu clis_mgpu_one_warp cudnn tokamax_mosaic \
+          --passes fwd fwd_bwd --impls online_four_warps online clis_mgpu_four_warps clis_mgpu cudnn tokamax_mosaic \
           "${common[@]}" --out "$OUT/one_warp_d128.json"
     fi ;;
   context_parallel)
