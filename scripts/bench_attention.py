@@ -128,7 +128,7 @@ FEATURED = ("clis", "online", "clis_blocks", "clis_radius", "clis_cap", "clis_mg
             "cudnn", "clis_triton", "online_triton", "clis_mgpu",
             "online_mgpu", "clis_mgpu_triton_bwd", "online_mgpu_triton_bwd", "clis_exp2_tanh", "online_exp2_tanh",
             "online_heads1", "online_heads2", "online_heads4", "online_heads8", "tokamax_mosaic", "tokamax_triton",
-            "online_pinned", "clis_mgpu_pinned", "clis_cap_pinned", "online_four_warps", "clis_mgpu_four_warps")
+            "online_four_warps", "clis_mgpu_four_warps")
 
 
 SINKLESS = ("cudnn", "tokamax_mosaic", "tokamax_triton", "tokamax_k_start", "splash")  # entry points with no sinks
@@ -198,14 +198,6 @@ def _heads_per_cta(q, k, v, seg, causal, stabilizer, heads, **kw):
   """The Mosaic GPU forward with each CTA walking `heads` query heads of a GQA group (BlockSizes(heads_per_cta))."""
   return attention(q, k, v, seg, causal=causal, stabilizer=stabilizer, implementation="pallas_mgpu",
                    block_sizes=pallas_mgpu.BlockSizes(heads_per_cta=heads), **kw)
-
-
-def _pinned(q, k, v, seg, causal, stabilizer, **kw):
-  """The Mosaic GPU forward with the ping-pong hand-over pinned after the softmax's sums
-  (BlockSizes(pinned_handover=True)) at the head dim's default tiles."""
-  tiles = pallas_mgpu.default_block_sizes(q.shape[-1], q.shape[1], q.dtype)
-  return attention(q, k, v, seg, causal=causal, stabilizer=stabilizer, implementation="pallas_mgpu",
-                   block_sizes=dataclasses.replace(tiles, pinned_handover=True), **kw)
 
 
 def _four_warps(q, k, v, seg, causal, stabilizer, **kw):
@@ -281,9 +273,6 @@ def implementations(names, platform, quick):
       table[f"{stab}_rounded_lse"] = functools.partial(_rounded_lse, stabilizer=stab)
     table["clis_mgpu_cap"] = functools.partial(_named, stabilizer="clis", implementation="pallas_mgpu", bound="cap")
     table["clis_cap_tc_sum"] = _cap_tc_sum
-    table["online_pinned"] = functools.partial(_pinned, stabilizer="online")
-    table["clis_mgpu_pinned"] = functools.partial(_pinned, stabilizer="clis")
-    table["clis_cap_pinned"] = functools.partial(_pinned, stabilizer="clis", bound="cap")
     table["online_four_warps"] = functools.partial(_four_warps, stabilizer="online")
     table["clis_mgpu_four_warps"] = functools.partial(_four_warps, stabilizer="clis")
     for heads in (1, 2, 4, 8):

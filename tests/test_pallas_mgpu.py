@@ -819,44 +819,39 @@ def test_heads_per_cta_changes_nothing_on_gpu(causal, seq, d, packed, kw, heads)
   assert ref.rel_err(got[heads], want) < TOLERANCE[jnp.bfloat16][0]
 
 
-# stabilizer, attention keywords: the loops whose hand-over pinned_handover pins (online; certified by the in-kernel
-# radius bound with its unrounded lse sum; certified by the cap's bound)
-PINNED_CASES = [("online", {}), ("clis", {}), ("clis", dict(logits_soft_cap=30.0, bound="cap"))]
-
-
-SCHEDULE_VARIANTS = [dict(pinned_handover=True), dict(one_memory_warp=False)]  # BlockSizes fields that order work
+# stabilizer, attention keywords: the forward's loops (online; certified by the in-kernel radius bound; certified by
+# the cap's bound, through the XLA certificate)
+LOOP_CASES = [("online", {}), ("clis", {}), ("clis", dict(logits_soft_cap=30.0, bound="cap"))]
 
 
 @pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
-@pytest.mark.parametrize("stabilizer,kw", PINNED_CASES)
+@pytest.mark.parametrize("stabilizer,kw", LOOP_CASES)
 @pytest.mark.parametrize("causal,packed", [(True, True), (False, False)])
-@pytest.mark.parametrize("variant", SCHEDULE_VARIANTS)
-def test_schedule_variants_lower_for_the_gpu(stabilizer, kw, causal, packed, variant):
-  """BlockSizes(pinned_handover=True) and (one_memory_warp=False) lower for an H200 as one forward kernel in each
-  loop they change."""
+def test_four_streaming_warps_lower_for_the_gpu(stabilizer, kw, causal, packed):
+  """BlockSizes(one_memory_warp=False), the whole memory warpgroup streaming K/V, lowers for an H200 as one forward
+  kernel in each loop (the default, one warp, lowers in every other lowering test)."""
   q = jax.ShapeDtypeStruct((1, 256, 8, 128), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
   seg = jax.ShapeDtypeStruct((1, 256), jnp.int32) if packed else None
   fwd = lambda q, k, v, seg: attention(q, k, v, seg, causal=causal, implementation="pallas_mgpu", platform=HOPPER,
-                                       stabilizer=stabilizer, block_sizes=pallas_mgpu.BlockSizes(**variant), **kw)
+                                       stabilizer=stabilizer, block_sizes=pallas_mgpu.BlockSizes(one_memory_warp=False),
+                                       **kw)
   assert lower_for_h200(fwd, q, k, k, seg).count("custom_call @mosaic_gpu") == 1
 
 
 @needs_gpu
-@pytest.mark.parametrize("stabilizer,kw", PINNED_CASES)
+@pytest.mark.parametrize("stabilizer,kw", LOOP_CASES)
 @pytest.mark.parametrize("causal,packed", [(True, True), (False, False)])
-@pytest.mark.parametrize("variant", SCHEDULE_VARIANTS)
-def test_schedule_variants_change_nothing_on_gpu(stabilizer, kw, causal, packed, variant):
-  """The pinned hand-over and the four streaming warps only order work: o bit-identical to the default's, and
-  within bf16's tolerance of float64 (inputs scaled up with a cap, so that it bites)."""
+def test_streaming_warps_change_nothing_on_gpu(stabilizer, kw, causal, packed):
+  """One streaming warp (the default) or four only order the loads: o bit-identical either way, and within bf16's
+  tolerance of float64 (inputs scaled up with a cap, so that it bites)."""
   seq = 1024
   q, k, v, do = random_inputs(seq + len(kw), 1, seq, 8, 2, 128, jnp.bfloat16)
   if "logits_soft_cap" in kw:
     q, k = q * 4.0, k * 4.0
   seg = packed_segments(seq, 1, seq) if packed else None
-  got = {varied: attention(q, k, v, seg, causal=causal, implementation="pallas_mgpu", stabilizer=stabilizer,
-                           block_sizes=pallas_mgpu.BlockSizes(**(variant if varied else {})), **kw)
-         for varied in (False, True)}
+  got = {one: attention(q, k, v, seg, causal=causal, implementation="pallas_mgpu", stabilizer=stabilizer,
+                        block_sizes=pallas_mgpu.BlockSizes(one_memory_warp=one), **kw) for one in (True, False)}
   np.testing.assert_array_equal(np.asarray(got[True].astype(jnp.float32)), np.asarray(got[False].astype(jnp.float32)))
   want = ref.attention(q, k, v, do, seg, causal=causal, softcap=kw.get("logits_soft_cap"))[0]
   assert ref.rel_err(got[True], want) < TOLERANCE[jnp.bfloat16][0]

@@ -103,10 +103,6 @@ class BlockSizes:
   2026-12-04, causal GQA 32/8 D 128, online: forward 1.018 / 1.017x four streaming warps at 8k / 32k (ncu at 8k: 281.5M
   instructions issued with four, tokamax's 263.4M with equal step loops); the certified loop within ±1%; the same
   in the backward's kernels measured ~1% slower, so they keep four (BENCHMARKS.md §1).
-  pinned_handover: with pingpong, each warpgroup stores its step's row sum to its rows buffer before the arrive
-  that hands the tensor cores over after the softmax. The arrive's release orders memory only, so without a store
-  that needs the softmax ptxas moves it to the softmax's start, and the two warpgroups' softmaxes overlap
-  (notes/experiments/sass_forward.py).
   The backward is the registry's choice (plan.py): "pallas_mgpu" takes pallas_mgpu_vjp's,
   "pallas_mgpu_triton_bwd" pallas_gpu_vjp's, each with its own BlockSizes.
   """
@@ -122,7 +118,6 @@ class BlockSizes:
   document_ranges: bool = True
   soft_cap_tanh: str = "approx"
   heads_per_cta: int | None = None
-  pinned_handover: bool = False
   one_memory_warp: bool = True
 
   def __post_init__(self):
@@ -236,7 +231,6 @@ class _Config:
   tanh: str = "approx"  # BlockSizes.soft_cap_tanh
   heads: int = 1  # BlockSizes.heads_per_cta
   sinks: bool = False  # learned sink logits: the epilogue adds each head's term to the rows' sums (`_add_sink`)
-  pinned_handover: bool = False  # BlockSizes.pinned_handover
   one_memory_warp: bool = True  # BlockSizes.one_memory_warp
 
   @property
@@ -799,9 +793,6 @@ def _step(c: _Config, s: _Scratch, ss, r: _Rows, fixed: bool, m0, i, carry, mask
   with jax.named_scope("softmax"):
     acc, m, l, l_lse, p_low = _weights(c, s, ss, r, fixed, i, slot, masked, qk, acc, m, l, l_lse)
   if c.pingpong:
-    sums = l_lse if l_lse is not None else None if fixed and c.exact_sum else l  # what the softmax has summed
-    if c.pinned_handover and sums is not None:  # a store that needs them, so the arrive's release waits for them
-      r.rows[...] = sums
     plgpu.barrier_arrive(s.schedule)  # softmax done
   if fixed and c.exact_sum and not c.tc_sum:  # while the other warpgroup holds the tensor cores
     with jax.named_scope("rounded_sum"):
@@ -1049,7 +1040,7 @@ def _launch(q, k, v, segment_ids, stab, *, mode: Mode, causal, scale, kv_len, bl
       doc_ranges=bs.document_ranges and causal and segment_ids is not None and visit is None and window is None,
       window=None if window is None else tuple(int(w) for w in window),
       cap2=None if softcap is None else float(softcap) * LOG2E, tanh=bs.soft_cap_tanh, sinks=sinks is not None,
-      pinned_handover=bs.pinned_handover, one_memory_warp=bs.one_memory_warp)
+      one_memory_warp=bs.one_memory_warp)
   heads = bs.heads_per_cta
   if heads is None:
     heads = auto_heads_per_cta(mode=mode, group=config.group, window=config.window, listed=config.listed,

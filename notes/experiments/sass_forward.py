@@ -142,7 +142,7 @@ def run(args):
   cap = {} if args.softcap is None else dict(logits_soft_cap=args.softcap)
   if args.impl.startswith("ours"):
     from clis_kernels import pallas_mgpu
-    tiles = pallas_mgpu.BlockSizes(pinned_handover=args.impl == "ours_pinned")
+    tiles = pallas_mgpu.BlockSizes(one_memory_warp=args.impl != "ours_four_warps")
     forward = jax.jit(lambda q, k, v: attention(q, k, v, causal=True, implementation="pallas_mgpu",
                                                 stabilizer=args.stabilizer, block_sizes=tiles, **cap))
   else:
@@ -158,8 +158,8 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   sub = parser.add_subparsers(dest="command", required=True)
   r = sub.add_parser("run")
-  r.add_argument("--impl", choices=("ours", "ours_pinned", "tokamax"), required=True,
-                 help="ours_pinned: BlockSizes(pinned_handover=True)")
+  r.add_argument("--impl", choices=("ours", "ours_four_warps", "tokamax"), required=True,
+                 help="ours_four_warps: BlockSizes(one_memory_warp=False)")
   r.add_argument("--stabilizer", choices=("online", "clis"), default="online", help="ours only")
   r.add_argument("--softcap", type=float, default=None)
   r.add_argument("--heads", type=int, nargs=3, default=[32, 8, 128], metavar=("HQ", "HKV", "D"))

@@ -33,9 +33,6 @@
 #   sass               the forward's PTX, ours against tokamax's (D 128 GQA 32/8 causal 8k, with and without cap 50),
 #                      and ptxas's registers and spills, then ncu's issue, pipe and stall sections of each attention
 #                      kernel (notes/experiments/sass_forward.py: `sass` and `count` read the PTX here afterwards)
-#   pinned_handover [cap]  BlockSizes(pinned_handover): its GPU tests and the PTX of ours (default and pinned) and
-#                      tokamax's forward, then the forward at D 128 (GQA 32/8) causal 8k and 32k against the default,
-#                      cuDNN and tokamax; with "cap", the same at cap 50 (online and the cap's bound) against tokamax
 #   one_memory_warp [more]  the forward's BlockSizes(one_memory_warp), the default, against four streaming warps: GPU
 #                      tests, then D 128 (GQA 32/8) causal 8k and 32k fwd and fwd+bwd with cuDNN and tokamax; with
 #                      "more", GPU tests of the forward's features, then cap 50 D 128, Gemma 2 (D 256, cap 50, window
@@ -158,29 +155,12 @@ case "$1" in
             --impl "$impl" "${capflag[@]}" --no-dump --dump-dir /tmp/ncu_dump
       done
     done ;;
-  pinned_handover)
-    if [ "$2" = cap ]; then
-      TAIL=16 step pinned_cap50_d128 280 python3 scripts/bench_attention.py --suite llm --seq-lens 8192 32768 \
-          --tokens 32768 --softcap 50 --causal yes --packed no --inputs sinks_many --passes fwd \
-          --impls online online_pinned clis_mgpu_cap clis_cap_pinned tokamax_mosaic --repeats 7 --inner 3 \
-          --out "$OUT/pinned_cap50_d128.json"
-    else
-      TAIL=8 step pinned_tests 150 timeout -s INT 140 $GPU_TEST tests/test_pallas_mgpu.py -k "pinned" --durations 3
-      for impl in ours ours_pinned tokamax; do
-        TAIL=2 step "dump_$impl" 60 python3 notes/experiments/sass_forward.py run --impl "$impl" \
-            --dump-dir "$OUT/dump_$impl"
-      done
-      TAIL=16 step pinned_d128 240 python3 scripts/bench_attention.py --suite llm --seq-lens 8192 32768 \
-          --tokens 32768 --causal yes --packed no --inputs sinks_many --passes fwd \
-          --impls online online_pinned clis_mgpu clis_mgpu_pinned cudnn tokamax_mosaic --repeats 7 --inner 3 \
-          --out "$OUT/pinned_d128.json"
-    fi ;;
   one_memory_warp)
     common=(--tokens 32768 --causal yes --packed no --inputs sinks_many --repeats 7 --inner 3)
     if [ "$2" = more ]; then  # the default (one warp) against four, after the GPU tests of the forward's features
       TAIL=8 step one_warp_tests 150 timeout -s INT 140 $GPU_TEST tests/test_pallas_mgpu.py \
           tests/test_sinks_and_split_heads.py --durations 3 \
-          -k "schedule_variants_change or window_and_soft_cap_match or mla_matches or learned_sinks_on_the_mosaic"
+          -k "streaming_warps_change or window_and_soft_cap_match or mla_matches or learned_sinks_on_the_mosaic"
       TAIL=8 step one_warp_cap50 90 python3 scripts/bench_attention.py --suite llm --seq-lens 8192 32768 \
           --softcap 50 --passes fwd --impls online online_four_warps tokamax_mosaic "${common[@]}" \
           --out "$OUT/one_warp_cap50.json"
@@ -192,7 +172,7 @@ case "$1" in
           "${common[@]}" --out "$OUT/one_warp_mla.json"
     else  # as first run, when one warp was opt-in (its impls are gone: their names now say four warps)
       TAIL=8 step one_warp_tests 170 timeout -s INT 160 $GPU_TEST tests/test_pallas_mgpu.py \
-          -k "schedule_variants_change" --durations 3
+          -k "streaming_warps_change" --durations 3
       TAIL=28 step one_warp_d128 320 python3 scripts/bench_attention.py --suite llm --seq-lens 8192 32768 \
           --passes fwd fwd_bwd --impls online_four_warps online clis_mgpu_four_warps clis_mgpu cudnn tokamax_mosaic \
           "${common[@]}" --out "$OUT/one_warp_d128.json"
@@ -203,5 +183,5 @@ case "$1" in
         --out "$OUT/context_parallel_${2:-1}.json" ;;
   *) echo "usage: bench_kernels.sh bwd_parts|llm_d128|llm_d64|sweep FAMILY PACKED|bidir FAMILY|diffusion|mla|"\
 "mla_bwd_parts|mla_batch|delta_pass|lse FAMILY|d256|heads_per_cta|certify_rule FAMILY|soft_cap|sinks|profile|"\
-"sass|pinned_handover [cap]|one_memory_warp [more]|context_parallel [N]"; exit 2 ;;
+"sass|one_memory_warp [more]|context_parallel [N]"; exit 2 ;;
 esac
