@@ -102,7 +102,8 @@ class BlockSizes:
   tokamax's forward does; the other three then issue nothing on the schedulers they share with the compute warps. H200,
   2026-12-04, causal GQA 32/8 D 128, online: forward 1.018 / 1.017x four streaming warps at 8k / 32k (ncu at 8k: 281.5M
   instructions issued with four, tokamax's 263.4M with equal step loops); the certified loop within ±1%; the same
-  in the backward's kernels measured ~1% slower, so they keep four (BENCHMARKS.md §1).
+  in the backward's kernels measured ~1% slower, so they keep four (BENCHMARKS.md §1). `forward_listed` keeps four:
+  its steps read the kept-tile list from shared memory, a load Mosaic GPU refuses inside per-warp code.
   The backward is the registry's choice (plan.py): "pallas_mgpu" takes pallas_mgpu_vjp's,
   "pallas_mgpu_triton_bwd" pallas_gpu_vjp's, each with its own BlockSizes.
   """
@@ -475,7 +476,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, config: _Config):
       stream_kv(k_ref, v_ref, kseg_ref, s.k, s.v, None if ss is None else ss.kseg, s.k_ready, s.v_ready,
                 None if ss is None else ss.kseg_ready, batch=batch, kv_head=kv_head, block_kv=c.block_kv,
                 num_blocks=num_blocks, slots=c.slots, free=(s.k_free, s.v_free), block_of=block_in_stream,
-                one_warp=c.one_memory_warp)
+                one_warp=c.one_memory_warp and not c.listed)  # list entries are smem loads, refused in warp code
 
   pl.run_scoped(body, *_scratch(c, dtype, head_dim, v_ref.shape[-1]), collective_axes="wg")
 
