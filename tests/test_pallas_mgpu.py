@@ -940,3 +940,58 @@ def test_window_whole_blocks_are_wholly_visible_and_the_rest_of_the_band_is_mask
           wholly = [b for b in range(num_blocks) if band[:, b].all()]  # contiguous: a window's band is
           assert (lead, full) == ((wholly[0], wholly[-1] + 1) if wholly else (lead, lead)), (
               window, kv_len, mirrored, row0, wholly, lead, full)
+
+
+# (name, seq, q·k head dim, v head dim, causal, packed, attention keywords, backward tiles): each backward kernel family
+# with BlockSizes(overlap_matmuls=True) — the two kernels at 128, the fused one at 64, split dQ, the wide kernels at
+# 256, MLA's 192/128 — and the soft cap with a window
+OVERLAP = pallas_mgpu_vjp.BlockSizes(overlap_matmuls=True)
+OVERLAP_CASES = [
+    ("causal_d128", 1000, 128, 128, True, False, {}, OVERLAP),
+    ("causal_packed_d64_fused", 1000, 64, 64, True, True, {}, dataclasses.replace(OVERLAP, fused_dq=True)),
+    ("bidir_packed_d128_split", 1024, 128, 128, False, True, {},
+     dataclasses.replace(OVERLAP, fused_dq=True, split_dq=True)),
+    ("causal_packed_d256", 1000, 256, 256, True, True, {}, OVERLAP),
+    ("causal_mla", 1000, 192, 128, True, False, {}, OVERLAP),
+    ("causal_cap30_window300_d128", 1024, 128, 128, True, False, dict(logits_soft_cap=30.0, local_window_size=300),
+     OVERLAP),
+    ("bidir_cap30_d256", 640, 256, 256, False, False, dict(logits_soft_cap=30.0), OVERLAP)]
+
+
+@pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
+@pytest.mark.parametrize("name,seq,d,dv,causal,packed,kw,tiles", OVERLAP_CASES, ids=[c[0] for c in OVERLAP_CASES])
+def test_overlapped_matmuls_lower_for_the_gpu(name, seq, d, dv, causal, packed, kw, tiles):
+  """BlockSizes(overlap_matmuls=True) lowers for an H200 in every backward kernel family: each step issues dP's
+  wgmma behind S's and waits for S alone."""
+  q = jax.ShapeDtypeStruct((1, seq, 8, d), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, seq, 2, d), jnp.bfloat16)
+  v = jax.ShapeDtypeStruct((1, seq, 2, dv), jnp.bfloat16)
+  seg = jax.ShapeDtypeStruct((1, seq), jnp.int32) if packed else None
+
+  def loss(q, k, v, seg):
+    return attention(q, k, v, seg, causal=causal, implementation="pallas_mgpu", platform=HOPPER,
+                     backward_block_sizes=tiles, **kw).astype(jnp.float32).sum()
+
+  text = lower_for_h200(jax.grad(loss, argnums=(0, 1, 2)), q, k, v, seg)
+  assert text.count("custom_call @mosaic_gpu") == (2 if tiles.fused_dq else 3) and "clis_bwd" not in text
+
+
+@needs_gpu
+@pytest.mark.parametrize("name,seq,d,dv,causal,packed,kw,tiles", OVERLAP_CASES, ids=[c[0] for c in OVERLAP_CASES])
+def test_overlapped_matmuls_change_nothing_on_gpu(name, seq, d, dv, causal, packed, kw, tiles):
+  """overlap_matmuls only reorders the wgmmas and their waits: dq, dk, dv bit-identical to the same backward without
+  it (the fused kernels add dQ's parts in no fixed order, so there dQ is held to float64's tolerance only), and
+  within bf16's tolerance of float64."""
+  q, k, v, do, seg, want = _float64_case(name, seq, 8, 2, d, dv, causal, packed, kw)
+
+  def grads(t):
+    f = lambda q, k, v: attention(q, k, v, seg, causal=causal, implementation="pallas_mgpu", backward_block_sizes=t,
+                                  **kw)
+    return jax.vjp(f, q, k, v)[1](do)
+
+  got, before = grads(tiles), grads(dataclasses.replace(tiles, overlap_matmuls=False))
+  for i, (a, b) in enumerate(zip(got, before)):
+    if i or not tiles.fused_dq:
+      np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)), err_msg=i)
+  errors = [ref.rel_err(g, w) for g, w in zip(got, want[1:])]
+  assert max(errors) < TOLERANCE[jnp.bfloat16][1], errors

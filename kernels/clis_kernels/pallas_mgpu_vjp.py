@@ -55,13 +55,18 @@ class BlockSizes:
   so each step adds a [64, 64] f32 part per warpgroup instead of [64, 128] (half the reduce-add bytes, half the
   dQ accumulator's registers, half the staging memory). Both warpgroups then walk the CTA's steps in lockstep
   (one 2-arrival barrier per step). Opt-in until timed on the H200.
-  soft_cap_tanh: logits_soft_cap's tanh, as the forward's BlockSizes field of that name (they should agree)."""
+  soft_cap_tanh: logits_soft_cap's tanh, as the forward's BlockSizes field of that name (they should agree).
+  overlap_matmuls: each step issues dP's wgmma right behind S's and waits only for S before forming P, so the
+  tensor cores run dP while the warpgroup computes P (FlashAttention-3's order); the dK/dV kernels also issue dV's
+  wgmma before waiting for dP. The same arithmetic in another order (bit-identical gradients); it holds dP's
+  accumulator (32 registers a thread) through P. Opt-in until timed on the H200."""
 
   slots: int = 2
   fused_dq: bool = False
   document_ranges: bool = True
   split_dq: bool = False
   soft_cap_tanh: str = "approx"
+  overlap_matmuls: bool = False
 
   def __post_init__(self):
     if self.soft_cap_tanh not in TANHS:
@@ -106,8 +111,43 @@ def _capped(s, sigma2: float, cap2, tanh: str):
   return th, 1.0 - th * th, cap2
 
 
+def _weights_and_dp(issue_s, issue_dp, weights, *, overlap: bool, wait_dp=None, after_weights=None):
+  """One step's (weights(S), dP), S and dP [64, 64] f32 accumulators (or their transposes). issue_s(acc) and
+  issue_dp(acc) issue their wgmmas into acc and return how many; weights(s) forms P (and what else the step takes
+  from S); wait_dp() waits for dP's operands. Without overlap: S, P, then dP, one accumulator live at a time. With
+  overlap (BlockSizes.overlap_matmuls): dP's wgmmas go right behind S's and only S is waited for, so the tensor cores
+  run dP while this warpgroup forms P; after_weights(w), if given, issues more wgmmas before dP is waited for (the
+  dK/dV kernels' dV) and returns how many."""
+  acc = plgpu.ACC((ROWS, ROWS), jnp.float32)
+  if not overlap:
+    def s_scope(ref):
+      issue_s(ref)
+      return ref[...]
+
+    def dp_scope(ref):
+      issue_dp(ref)
+      return ref[...]
+
+    w = weights(pl.run_scoped(s_scope, acc))
+    if wait_dp is not None:
+      wait_dp()
+    return w, pl.run_scoped(dp_scope, acc)
+
+  def scope(s_ref, dp_ref):
+    issue_s(s_ref)
+    if wait_dp is not None:
+      wait_dp()
+    behind = issue_dp(dp_ref)
+    w = weights(plgpu.wgmma_accumulator_load(s_ref, wait_n=behind))
+    later = 0 if after_weights is None else after_weights(w)
+    return w, plgpu.wgmma_accumulator_load(dp_ref, wait_n=later)
+
+  return pl.run_scoped(scope, acc, acc)
+
+
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, sigma2, scale, slots, kv_len,
-               group, has_segments, doc_ranges: bool = False, window=None, cap2=None, tanh: str = "approx"):
+               group, has_segments, doc_ranges: bool = False, window=None, cap2=None, tanh: str = "approx",
+               overlap: bool = False):
   qseg_ref = kseg_ref = range_ref = None
   if has_segments:
     (qseg_ref, kseg_ref), refs = refs[:2], refs[2:]
@@ -170,25 +210,27 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, s
         slot = slot_of(i)
         plgpu.barrier_wait(k_ready.at[slot])
 
-        def s_scope(acc_ref):
+        def issue_s(acc_ref):
           plgpu.wgmma(acc_ref, q_smem.at[wg], k_smem.at[slot].T)
-          return acc_ref[...]
+          return 1
 
-        s, dtanh, logit_scale = _capped(pl.run_scoped(s_scope, plgpu.ACC((ROWS, ROWS), jnp.float32)), sigma2, cap2, tanh)
-        k_ids = None
-        if has_segments:
-          plgpu.barrier_wait(kseg_ready.at[slot])
-          k_ids = plgpu.load(kseg_smem.at[slot], layout=COL)
-        s = _masked(s, row0, i * ROWS, q_ids, k_ids, causal_rows_are_queries=True, causal=causal, kv_len=kv_len,
-                    masked=masked, window=window)
-        p = jnp.exp2(s * logit_scale - rows_of(lse))
-        plgpu.barrier_wait(v_ready.at[slot])
+        def weights(s):
+          s, dtanh, logit_scale = _capped(s, sigma2, cap2, tanh)
+          k_ids = None
+          if has_segments:
+            plgpu.barrier_wait(kseg_ready.at[slot])
+            k_ids = plgpu.load(kseg_smem.at[slot], layout=COL)
+          s = _masked(s, row0, i * ROWS, q_ids, k_ids, causal_rows_are_queries=True, causal=causal, kv_len=kv_len,
+                      masked=masked, window=window)
+          return jnp.exp2(s * logit_scale - rows_of(lse)), dtanh
 
-        def dp_scope(acc_ref):
+        def issue_dp(acc_ref):
           plgpu.wgmma(acc_ref, do_smem.at[wg], v_smem.at[slot].T)
-          return acc_ref[...]
+          return 1
 
-        ds = p * (pl.run_scoped(dp_scope, plgpu.ACC((ROWS, ROWS), jnp.float32)) - rows_of(delta))
+        (p, dtanh), dp = _weights_and_dp(issue_s, issue_dp, weights, overlap=overlap,
+                                         wait_dp=lambda: plgpu.barrier_wait(v_ready.at[slot]))
+        ds = p * (dp - rows_of(delta))
         if dtanh is not None:
           ds = ds * dtanh
 
@@ -257,7 +299,7 @@ def _q_blocks(kv0, rows, *, causal: bool, num_q_blocks: int):
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, sigma2, scale, slots, group,
                 has_segments, fused_dq: bool = False, split_dq: bool = False, doc_ranges: bool = False, window=None,
-                cap2=None, tanh: str = "approx"):
+                cap2=None, tanh: str = "approx", overlap: bool = False):
   qseg_ref = kseg_ref = dq_ref = range_ref = None
   if has_segments:
     (qseg_ref, kseg_ref), refs = refs[:2], refs[2:]
@@ -319,25 +361,43 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
         slot = lax.rem(g * per_head + j - cta_first, jnp.int32(slots))
         wait_block(slot)
 
-        def s_scope(acc_ref):  # sᵀ: keys × queries
+        def issue_s(acc_ref):  # sᵀ: keys × queries
           plgpu.wgmma(acc_ref, k_smem.at[wg], q_smem.at[slot].T)
-          return acc_ref[...]
+          return 1
 
-        s, dtanh, logit_scale = _capped(pl.run_scoped(s_scope, plgpu.ACC((ROWS, ROWS), jnp.float32)), sigma2, cap2, tanh)
-        q_ids = None if not has_segments else plgpu.load(qseg_smem.at[slot], layout=COL)
-        s = _masked(s, kv0, j * ROWS, k_ids, q_ids, causal_rows_are_queries=False, causal=causal, kv_len=None,
-                    masked=masked, window=window)
-        lse = lax.broadcast_in_dim(plgpu.load(lse_smem.at[slot], layout=COL), s.shape, [1])
-        delta = lax.broadcast_in_dim(plgpu.load(delta_smem.at[slot], layout=COL), s.shape, [1])
-        p = jnp.exp2(s * logit_scale - lse)
+        def weights(s):
+          s, dtanh, logit_scale = _capped(s, sigma2, cap2, tanh)
+          q_ids = None if not has_segments else plgpu.load(qseg_smem.at[slot], layout=COL)
+          s = _masked(s, kv0, j * ROWS, k_ids, q_ids, causal_rows_are_queries=False, causal=causal, kv_len=None,
+                      masked=masked, window=window)
+          lse = lax.broadcast_in_dim(plgpu.load(lse_smem.at[slot], layout=COL), s.shape, [1])
+          delta = lax.broadcast_in_dim(plgpu.load(delta_smem.at[slot], layout=COL), s.shape, [1])
+          return jnp.exp2(s * logit_scale - lse), dtanh, delta
 
-        def dp_scope(acc_ref):  # dPᵀ = V·dOᵀ
+        def issue_dp(acc_ref):  # dPᵀ = V·dOᵀ
           plgpu.wgmma(acc_ref, v_smem.at[wg], do_smem.at[slot].T)
-          return acc_ref[...]
+          return 1
 
-        ds = p * (pl.run_scoped(dp_scope, plgpu.ACC((ROWS, ROWS), jnp.float32)) - delta)
-        if dtanh is not None:
-          ds = ds * dtanh
+        def scores_grad(p, dtanh, delta, dp):
+          ds = p * (dp - delta)
+          return ds if dtanh is None else ds * dtanh
+
+        if overlap and not fused_dq:  # dV's wgmma too goes out before dP is waited for
+          def overlapped(refs):
+            dk_ref_, dv_ref_ = refs
+
+            def issue_dv(w):
+              plgpu.wgmma(dv_ref_, w[0].astype(dtype), do_smem.at[slot])
+              return 1
+
+            w, dp = _weights_and_dp(issue_s, issue_dp, weights, overlap=True, after_weights=issue_dv)
+            plgpu.wgmma(dk_ref_, scores_grad(*w, dp).astype(dtype), q_smem.at[slot])
+
+          dk, dv = pl.run_state(overlapped)((plgpu.ACC.init(dk), plgpu.ACC.init(dv)))
+          plgpu.barrier_arrive(free.at[slot])
+          return dk, dv
+        (p, dtanh, delta), dp = _weights_and_dp(issue_s, issue_dp, weights, overlap=overlap)
+        ds = scores_grad(p, dtanh, delta, dp)
         if split_dq:
           i = g * per_head + j - cta_first  # the stream's step: its parity picks the dSᵀ buffers and barrier
           half = head_dim // 2
@@ -582,7 +642,8 @@ class Launches:
     self.common = dict(causal=causal, sigma2=scale * LOG2E, scale=scale, slots=block_sizes.slots,
                        group=num_heads // num_kv_heads, has_segments=segment_ids is not None, doc_ranges=doc_ranges,
                        window=None if window is None else tuple(int(w) for w in window),
-                       cap2=None if softcap is None else float(softcap) * LOG2E, tanh=block_sizes.soft_cap_tanh)
+                       cap2=None if softcap is None else float(softcap) * LOG2E, tanh=block_sizes.soft_cap_tanh,
+                       overlap=block_sizes.overlap_matmuls)
     self.dq_args, self.dkv_args = args, args
     cta_rows = ROWS if self.wide else COMPUTE_WARPGROUPS * ROWS  # the wide kernels' warpgroups share their rows
     if doc_ranges:

@@ -29,7 +29,7 @@ from clis_kernels.common import int32_loop
 from clis_kernels.mgpu_pipeline import (COMPUTE_WARPGROUPS, finish_stores, kv_blocks, range_scratch, read_range_entry,
                                         stream_kv, swizzled)
 from clis_kernels.pallas_mgpu_vjp import (COL, ROW, ROWS, _capped, _masked, _q_blocks, _stream_query_blocks,
-                                         _walk_q_blocks)
+                                         _walk_q_blocks, _weights_and_dp)
 
 SCORES, HELPER = 0, 1  # the compute warpgroups' roles
 HEAD_DIMS = (256,)  # the head dims these kernels take (q·k and v equal); each half is two 64-column swizzle tiles
@@ -46,7 +46,8 @@ def _hand_over(p_smem, ds_smem, p_low, ds_low, handed, taken):
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, sigma2, scale, slots, group,
-                has_segments, doc_ranges: bool = False, window=None, cap2=None, tanh: str = "approx"):
+                has_segments, doc_ranges: bool = False, window=None, cap2=None, tanh: str = "approx",
+                overlap: bool = False):
   qseg_ref = kseg_ref = range_ref = None
   if has_segments:
     (qseg_ref, kseg_ref), refs = refs[:2], refs[2:]
@@ -121,27 +122,47 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
         slot = slot_of(g, j)
         wait_block(slot, scores=True)
 
-        def s_scope(acc_ref):  # Sᵀ: keys × queries, over both halves of the head dim
+        def issue_s(acc_ref):  # Sᵀ: keys × queries, over both halves of the head dim
           for h in range(2):
             plgpu.wgmma(acc_ref, k_smem.at[h], q_smem.at[slot, :, pl.ds(h * half, half)].T)
-          return acc_ref[...]
+          return 2
 
-        s, dtanh, logit_scale = _capped(pl.run_scoped(s_scope, plgpu.ACC((ROWS, ROWS), jnp.float32)), sigma2, cap2, tanh)
-        q_ids = None if not has_segments else plgpu.load(qseg_smem.at[slot], layout=COL)
-        s = _masked(s, kv0, j * ROWS, k_ids, q_ids, causal_rows_are_queries=False, causal=causal, kv_len=None,
-                    masked=masked, window=window)
-        lse = lax.broadcast_in_dim(plgpu.load(lse_smem.at[slot], layout=COL), s.shape, [1])
-        delta = lax.broadcast_in_dim(plgpu.load(delta_smem.at[slot], layout=COL), s.shape, [1])
-        p = jnp.exp2(s * logit_scale - lse)
+        def weights(s):
+          s, dtanh, logit_scale = _capped(s, sigma2, cap2, tanh)
+          q_ids = None if not has_segments else plgpu.load(qseg_smem.at[slot], layout=COL)
+          s = _masked(s, kv0, j * ROWS, k_ids, q_ids, causal_rows_are_queries=False, causal=causal, kv_len=None,
+                      masked=masked, window=window)
+          lse = lax.broadcast_in_dim(plgpu.load(lse_smem.at[slot], layout=COL), s.shape, [1])
+          delta = lax.broadcast_in_dim(plgpu.load(delta_smem.at[slot], layout=COL), s.shape, [1])
+          return jnp.exp2(s * logit_scale - lse), dtanh, delta
 
-        def dp_scope(acc_ref):  # dPᵀ = V·dOᵀ
+        def issue_dp(acc_ref):  # dPᵀ = V·dOᵀ
           for h in range(2):
             plgpu.wgmma(acc_ref, v_smem.at[h], do_smem.at[slot, :, pl.ds(h * value_half, value_half)].T)
-          return acc_ref[...]
+          return 2
 
-        ds = p * (pl.run_scoped(dp_scope, plgpu.ACC((ROWS, ROWS), jnp.float32)) - delta)
-        if dtanh is not None:
-          ds = ds * dtanh
+        def scores_grad(p, dtanh, delta, dp):
+          ds = p * (dp - delta)
+          return ds if dtanh is None else ds * dtanh
+
+        if overlap:  # this warpgroup's dV half goes out before dP is waited for
+          def overlapped(refs):
+            dk_ref_, dv_ref_ = refs
+
+            def issue_dv(w):
+              plgpu.wgmma(dv_ref_, w[0].astype(dtype), do_smem.at[slot, :, value_columns])
+              return 1
+
+            (p, dtanh, delta), dp = _weights_and_dp(issue_s, issue_dp, weights, overlap=True, after_weights=issue_dv)
+            ds_low = scores_grad(p, dtanh, delta, dp).astype(dtype)
+            _hand_over(p_smem, ds_smem, p.astype(dtype), ds_low, handed, taken)
+            plgpu.wgmma(dk_ref_, ds_low, q_smem.at[slot, :, columns])
+
+          dk, dv = pl.run_state(overlapped)((plgpu.ACC.init(dk), plgpu.ACC.init(dv)))
+          plgpu.barrier_arrive(free.at[slot])
+          return dk, dv
+        (p, dtanh, delta), dp = _weights_and_dp(issue_s, issue_dp, weights, overlap=False)
+        ds = scores_grad(p, dtanh, delta, dp)
         p_low, ds_low = p.astype(dtype), ds.astype(dtype)
         _hand_over(p_smem, ds_smem, p_low, ds_low, handed, taken)
 
@@ -220,7 +241,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, sigma2, scale, slots, kv_len,
-               group, has_segments, doc_ranges: bool = False, window=None, cap2=None, tanh: str = "approx"):
+               group, has_segments, doc_ranges: bool = False, window=None, cap2=None, tanh: str = "approx",
+               overlap: bool = False):
   qseg_ref = kseg_ref = range_ref = None
   if has_segments:
     (qseg_ref, kseg_ref), refs = refs[:2], refs[2:]
@@ -297,26 +319,28 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, s
         slot = slot_of(i)
         plgpu.barrier_wait(k_ready.at[slot])
 
-        def s_scope(acc_ref):  # over both halves of the head dim
+        def issue_s(acc_ref):  # over both halves of the head dim
           for h in range(2):
             plgpu.wgmma(acc_ref, q_smem.at[h], k_smem.at[slot, :, pl.ds(h * half, half)].T)
-          return acc_ref[...]
+          return 2
 
-        s, dtanh, logit_scale = _capped(pl.run_scoped(s_scope, plgpu.ACC((ROWS, ROWS), jnp.float32)), sigma2, cap2, tanh)
-        k_ids = None
-        if has_segments:
-          plgpu.barrier_wait(kseg_ready.at[slot])
-          k_ids = plgpu.load(kseg_smem.at[slot], layout=COL)
-        s = _masked(s, row0, i * ROWS, q_ids, k_ids, causal_rows_are_queries=True, causal=causal, kv_len=kv_len,
-                    masked=masked, window=window)
-        p = jnp.exp2(s * logit_scale - lse)
-        plgpu.barrier_wait(v_ready.at[slot])
+        def weights(s):
+          s, dtanh, logit_scale = _capped(s, sigma2, cap2, tanh)
+          k_ids = None
+          if has_segments:
+            plgpu.barrier_wait(kseg_ready.at[slot])
+            k_ids = plgpu.load(kseg_smem.at[slot], layout=COL)
+          s = _masked(s, row0, i * ROWS, q_ids, k_ids, causal_rows_are_queries=True, causal=causal, kv_len=kv_len,
+                      masked=masked, window=window)
+          return jnp.exp2(s * logit_scale - lse), dtanh
 
-        def dp_scope(acc_ref):
+        def issue_dp(acc_ref):
           plgpu.wgmma(acc_ref, do_smem, v_smem.at[slot].T)
-          return acc_ref[...]
+          return 1
 
-        ds = p * (pl.run_scoped(dp_scope, plgpu.ACC((ROWS, ROWS), jnp.float32)) - delta)
+        (p, dtanh), dp = _weights_and_dp(issue_s, issue_dp, weights, overlap=overlap,
+                                         wait_dp=lambda: plgpu.barrier_wait(v_ready.at[slot]))
+        ds = p * (dp - delta)
         if dtanh is not None:
           ds = ds * dtanh
         ds_low = ds.astype(dtype)
