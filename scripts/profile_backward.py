@@ -12,6 +12,7 @@ refuses it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 
 import jax
@@ -21,8 +22,9 @@ from clis_kernels import masks, pallas_mgpu_vjp, plan as plan_lib
 from clis_train import benchmarking
 
 
-def _case(b, s, hq, hkv, d, causal, packed, fused, seed=0, dv=None):
-  """{part: zero-argument callable} for one shape, the forward's o and lse made once beforehand."""
+def _case(b, s, hq, hkv, d, causal, packed, fused, seed=0, dv=None, softcap=None, overlap=False):
+  """{part: zero-argument callable} for one shape, the forward's o and lse made once beforehand; with overlap, the
+  kernels with BlockSizes(overlap_matmuls=True) beside them (parts named *_overlap)."""
   dv = d if dv is None else dv
   kq, kk, kv, kd, kc = jax.random.split(jax.random.PRNGKey(seed), 5)
   q = jax.random.normal(kq, (b, s, hq, d), jnp.bfloat16)
@@ -39,23 +41,25 @@ def _case(b, s, hq, hkv, d, causal, packed, fused, seed=0, dv=None):
   scale = d ** -0.5
   o, lse, _ = jax.jit(lambda q, k, v, seg: plan.backend.forward(
       q, k, v, seg, None, mode=plan.mode, causal=causal, scale=scale, kv_len=None, block_sizes=plan.block_sizes,
-      window=None, softcap=None, interpret=False))(q, k, v, seg)
+      window=None, softcap=softcap, interpret=False))(q, k, v, seg)
   bs = plan.backward_block_sizes
-  launches = lambda q, k, v, seg, o, lse, do: pallas_mgpu_vjp.Launches(
-      q, k, v, seg, o, lse, do, causal=causal, scale=scale, kv_len=None, block_sizes=bs)
+  launches = lambda q, k, v, seg, o, lse, do, bs=bs: pallas_mgpu_vjp.Launches(
+      q, k, v, seg, o, lse, do, causal=causal, scale=scale, kv_len=None, block_sizes=bs, softcap=softcap)
   args = (q, k, v, seg, o, lse, do)
   parts = {
       "delta_and_args": jax.jit(lambda *a: (launches(*a).dq_args, launches(*a).dkv_args)),
       "backward": jax.jit(lambda *a: pallas_mgpu_vjp.backward(*a, causal=causal, scale=scale, kv_len=None,
-                                                               block_sizes=bs)),
+                                                               block_sizes=bs, softcap=softcap)),
   }
-  if fused:
-    parts["fused_kernel"] = jax.jit(lambda *a: launches(*a).fused())
-  else:
-    parts["dq_kernel"] = jax.jit(lambda *a: launches(*a).dq())
-    parts["dkv_kernel"] = jax.jit(lambda *a: launches(*a).dkv())
+  for suffix, tiles in [("", bs)] + ([("_overlap", dataclasses.replace(bs, overlap_matmuls=True))] if overlap else []):
+    if fused:
+      parts["fused_kernel" + suffix] = jax.jit(lambda *a, t=tiles: launches(*a, bs=t).fused())
+    else:
+      parts["dq_kernel" + suffix] = jax.jit(lambda *a, t=tiles: launches(*a, bs=t).dq())
+      parts["dkv_kernel" + suffix] = jax.jit(lambda *a, t=tiles: launches(*a, bs=t).dkv())
   fns = {name: functools.partial(f, *args) for name, f in parts.items()}
-  if not packed:  # cuDNN's backward alone (tokamax's where cuDNN takes no such v), from its own forward's residuals
+  if not packed and softcap is None:  # cuDNN's backward alone (tokamax's where cuDNN takes no such v), from its own
+    # forward's residuals
     if dv == d:
       other, name = (lambda a, b_, c: jax.nn.dot_product_attention(a, b_, c, is_causal=causal,
                                                                    implementation="cudnn")), "cudnn_backward"
@@ -70,7 +74,8 @@ def _case(b, s, hq, hkv, d, causal, packed, fused, seed=0, dv=None):
 
 def work_dims(name: str, d: int, dv: int) -> int | None:
   """The head dims a part's matmuls sum to (each matmul is 2·B·Hq·S² times its dim, half when causal)."""
-  return {"delta_and_args": None, "dq_kernel": 2 * d + dv, "dkv_kernel": 2 * d + 2 * dv}.get(name, 3 * d + 2 * dv)
+  return {"delta_and_args": None, "dq_kernel": 2 * d + dv, "dkv_kernel": 2 * d + 2 * dv}.get(
+      name.removesuffix("_overlap"), 3 * d + 2 * dv)
 
 
 def main():
@@ -82,6 +87,9 @@ def main():
   parser.add_argument("--causal", choices=["yes", "no"], default="yes")
   parser.add_argument("--packed", action="store_true", help="documents of ~1000 tokens (no cuDNN comparison)")
   parser.add_argument("--fused", action="store_true", help="the one-kernel backward instead of the two kernels")
+  parser.add_argument("--softcap", type=float, default=None, help="logits soft cap c (no cuDNN comparison)")
+  parser.add_argument("--overlap", action="store_true",
+                      help="also time each kernel with BlockSizes(overlap_matmuls=True), interleaved")
   parser.add_argument("--repeats", type=int, default=9)
   parser.add_argument("--inner", type=int, default=3)
   parser.add_argument("--out", default=None)
@@ -92,11 +100,11 @@ def main():
   meta, records = benchmarking.device_meta(), []
   for s in args.seq_lens:
     b = max(1, args.tokens // s)
-    fns = _case(b, s, hq, hkv, d, causal, args.packed, args.fused, dv=dv)
+    fns = _case(b, s, hq, hkv, d, causal, args.packed, args.fused, dv=dv, softcap=args.softcap, overlap=args.overlap)
     timings = benchmarking.interleaved_medians(fns, repeats=args.repeats, inner=args.inner)
     per_dim = 2 * b * hq * s * s * (0.5 if causal else 1.0)  # one matmul's FLOPs per unit of head dim
     case = (f"bwd_parts_{'causal' if causal else 'bidir'}{'_packed' if args.packed else ''}_H{hq}-{hkv}_D{d}"
-            f"{'' if dv == d else f'_Dv{dv}'}_S{s}")
+            f"{'' if dv == d else f'_Dv{dv}'}{'' if args.softcap is None else f'_cap{args.softcap:g}'}_S{s}")
     for name, (med, lo, hi) in timings.items():
       dims = work_dims(name, d, dv)
       tflops = None if dims is None else dims * per_dim / med / 1e9
