@@ -145,6 +145,40 @@ def _weights_and_dp(issue_s, issue_dp, weights, *, overlap: bool, wait_dp=None, 
   return pl.run_scoped(scope, acc, acc)
 
 
+def _scores_grad(p, dtanh, delta, dp):
+  """dS = P ∘ (dP − Δ), times the soft cap's derivative where there is a cap."""
+  ds = p * (dp - delta)
+  return ds if dtanh is None else ds * dtanh
+
+
+def _key_rows_weights(s, *, slot, kv0, q_block, k_ids, qseg_smem, lse_smem, delta_smem, sigma2, cap2, tanh, causal,
+                      masked, window):
+  """(Pᵀ, the cap's derivative or None, Δ) of a dK/dV step from its Sᵀ [keys from kv0, queries of block q_block]:
+  capped, masked, with the streamed block's lse and Δ (in shared-memory `slot`) broadcast over the keys."""
+  s, dtanh, logit_scale = _capped(s, sigma2, cap2, tanh)
+  q_ids = None if qseg_smem is None else plgpu.load(qseg_smem.at[slot], layout=COL)
+  s = _masked(s, kv0, q_block * ROWS, k_ids, q_ids, causal_rows_are_queries=False, causal=causal, kv_len=None, masked=masked,
+              window=window)
+  lse = lax.broadcast_in_dim(plgpu.load(lse_smem.at[slot], layout=COL), s.shape, [1])
+  delta = lax.broadcast_in_dim(plgpu.load(delta_smem.at[slot], layout=COL), s.shape, [1])
+  return jnp.exp2(s * logit_scale - lse), dtanh, delta
+
+
+def _query_rows_weights(s, *, slot, row0, kv_block, q_ids, kseg_smem, kseg_ready, lse, sigma2, cap2, tanh, causal,
+                        kv_len, masked, window):
+  """(P, the cap's derivative or None) of a dQ step from its S [queries from row0, keys of block kv_block]: capped,
+  masked (the block's key ids waited for and read from shared-memory `slot` when packed), with the rows' lse (one value
+  a row, or already broadcast to S's shape)."""
+  s, dtanh, logit_scale = _capped(s, sigma2, cap2, tanh)
+  k_ids = None
+  if kseg_smem is not None:
+    plgpu.barrier_wait(kseg_ready.at[slot])
+    k_ids = plgpu.load(kseg_smem.at[slot], layout=COL)
+  s = _masked(s, row0, kv_block * ROWS, q_ids, k_ids, causal_rows_are_queries=True, causal=causal, kv_len=kv_len,
+              masked=masked, window=window)
+  return jnp.exp2(s * logit_scale - (lse if lse.ndim == 2 else lax.broadcast_in_dim(lse, s.shape, [0]))), dtanh
+
+
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, sigma2, scale, slots, kv_len,
                group, has_segments, doc_ranges: bool = False, window=None, cap2=None, tanh: str = "approx",
                overlap: bool = False):
@@ -214,15 +248,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, s
           plgpu.wgmma(acc_ref, q_smem.at[wg], k_smem.at[slot].T)
           return 1
 
-        def weights(s):
-          s, dtanh, logit_scale = _capped(s, sigma2, cap2, tanh)
-          k_ids = None
-          if has_segments:
-            plgpu.barrier_wait(kseg_ready.at[slot])
-            k_ids = plgpu.load(kseg_smem.at[slot], layout=COL)
-          s = _masked(s, row0, i * ROWS, q_ids, k_ids, causal_rows_are_queries=True, causal=causal, kv_len=kv_len,
-                      masked=masked, window=window)
-          return jnp.exp2(s * logit_scale - rows_of(lse)), dtanh
+        weights = functools.partial(
+            _query_rows_weights, slot=slot, row0=row0, kv_block=i, q_ids=q_ids, kseg_smem=kseg_smem,
+            kseg_ready=kseg_ready, lse=lse, sigma2=sigma2, cap2=cap2, tanh=tanh, causal=causal, kv_len=kv_len,
+            masked=masked, window=window)
 
         def issue_dp(acc_ref):
           plgpu.wgmma(acc_ref, do_smem.at[wg], v_smem.at[slot].T)
@@ -365,22 +394,13 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
           plgpu.wgmma(acc_ref, k_smem.at[wg], q_smem.at[slot].T)
           return 1
 
-        def weights(s):
-          s, dtanh, logit_scale = _capped(s, sigma2, cap2, tanh)
-          q_ids = None if not has_segments else plgpu.load(qseg_smem.at[slot], layout=COL)
-          s = _masked(s, kv0, j * ROWS, k_ids, q_ids, causal_rows_are_queries=False, causal=causal, kv_len=None,
-                      masked=masked, window=window)
-          lse = lax.broadcast_in_dim(plgpu.load(lse_smem.at[slot], layout=COL), s.shape, [1])
-          delta = lax.broadcast_in_dim(plgpu.load(delta_smem.at[slot], layout=COL), s.shape, [1])
-          return jnp.exp2(s * logit_scale - lse), dtanh, delta
+        weights = functools.partial(
+            _key_rows_weights, slot=slot, kv0=kv0, q_block=j, k_ids=k_ids, qseg_smem=qseg_smem, lse_smem=lse_smem,
+            delta_smem=delta_smem, sigma2=sigma2, cap2=cap2, tanh=tanh, causal=causal, masked=masked, window=window)
 
         def issue_dp(acc_ref):  # dPᵀ = V·dOᵀ
           plgpu.wgmma(acc_ref, v_smem.at[wg], do_smem.at[slot].T)
           return 1
-
-        def scores_grad(p, dtanh, delta, dp):
-          ds = p * (dp - delta)
-          return ds if dtanh is None else ds * dtanh
 
         if overlap and not fused_dq:  # dV's wgmma too goes out before dP is waited for
           def overlapped(refs):
@@ -391,13 +411,13 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
               return 1
 
             w, dp = _weights_and_dp(issue_s, issue_dp, weights, overlap=True, after_weights=issue_dv)
-            plgpu.wgmma(dk_ref_, scores_grad(*w, dp).astype(dtype), q_smem.at[slot])
+            plgpu.wgmma(dk_ref_, _scores_grad(*w, dp).astype(dtype), q_smem.at[slot])
 
           dk, dv = pl.run_state(overlapped)((plgpu.ACC.init(dk), plgpu.ACC.init(dv)))
           plgpu.barrier_arrive(free.at[slot])
           return dk, dv
         (p, dtanh, delta), dp = _weights_and_dp(issue_s, issue_dp, weights, overlap=overlap)
-        ds = scores_grad(p, dtanh, delta, dp)
+        ds = _scores_grad(p, dtanh, delta, dp)
         if split_dq:
           i = g * per_head + j - cta_first  # the stream's step: its parity picks the dSᵀ buffers and barrier
           half = head_dim // 2

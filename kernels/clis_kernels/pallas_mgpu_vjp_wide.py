@@ -28,8 +28,8 @@ from clis_kernels import masks
 from clis_kernels.common import int32_loop
 from clis_kernels.mgpu_pipeline import (COMPUTE_WARPGROUPS, finish_stores, kv_blocks, range_scratch, read_range_entry,
                                         stream_kv, swizzled)
-from clis_kernels.pallas_mgpu_vjp import (COL, ROW, ROWS, _capped, _masked, _q_blocks, _stream_query_blocks,
-                                         _walk_q_blocks, _weights_and_dp)
+from clis_kernels.pallas_mgpu_vjp import (ROW, ROWS, _key_rows_weights, _q_blocks, _query_rows_weights,
+                                         _scores_grad, _stream_query_blocks, _walk_q_blocks, _weights_and_dp)
 
 SCORES, HELPER = 0, 1  # the compute warpgroups' roles
 HEAD_DIMS = (256,)  # the head dims these kernels take (q·k and v equal); each half is two 64-column swizzle tiles
@@ -127,23 +127,14 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
             plgpu.wgmma(acc_ref, k_smem.at[h], q_smem.at[slot, :, pl.ds(h * half, half)].T)
           return 2
 
-        def weights(s):
-          s, dtanh, logit_scale = _capped(s, sigma2, cap2, tanh)
-          q_ids = None if not has_segments else plgpu.load(qseg_smem.at[slot], layout=COL)
-          s = _masked(s, kv0, j * ROWS, k_ids, q_ids, causal_rows_are_queries=False, causal=causal, kv_len=None,
-                      masked=masked, window=window)
-          lse = lax.broadcast_in_dim(plgpu.load(lse_smem.at[slot], layout=COL), s.shape, [1])
-          delta = lax.broadcast_in_dim(plgpu.load(delta_smem.at[slot], layout=COL), s.shape, [1])
-          return jnp.exp2(s * logit_scale - lse), dtanh, delta
+        weights = functools.partial(
+            _key_rows_weights, slot=slot, kv0=kv0, q_block=j, k_ids=k_ids, qseg_smem=qseg_smem, lse_smem=lse_smem,
+            delta_smem=delta_smem, sigma2=sigma2, cap2=cap2, tanh=tanh, causal=causal, masked=masked, window=window)
 
         def issue_dp(acc_ref):  # dPᵀ = V·dOᵀ
           for h in range(2):
             plgpu.wgmma(acc_ref, v_smem.at[h], do_smem.at[slot, :, pl.ds(h * value_half, value_half)].T)
           return 2
-
-        def scores_grad(p, dtanh, delta, dp):
-          ds = p * (dp - delta)
-          return ds if dtanh is None else ds * dtanh
 
         if overlap:  # this warpgroup's dV half goes out before dP is waited for
           def overlapped(refs):
@@ -154,7 +145,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
               return 1
 
             (p, dtanh, delta), dp = _weights_and_dp(issue_s, issue_dp, weights, overlap=True, after_weights=issue_dv)
-            ds_low = scores_grad(p, dtanh, delta, dp).astype(dtype)
+            ds_low = _scores_grad(p, dtanh, delta, dp).astype(dtype)
             _hand_over(p_smem, ds_smem, p.astype(dtype), ds_low, handed, taken)
             plgpu.wgmma(dk_ref_, ds_low, q_smem.at[slot, :, columns])
 
@@ -162,7 +153,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
           plgpu.barrier_arrive(free.at[slot])
           return dk, dv
         (p, dtanh, delta), dp = _weights_and_dp(issue_s, issue_dp, weights, overlap=False)
-        ds = scores_grad(p, dtanh, delta, dp)
+        ds = _scores_grad(p, dtanh, delta, dp)
         p_low, ds_low = p.astype(dtype), ds.astype(dtype)
         _hand_over(p_smem, ds_smem, p_low, ds_low, handed, taken)
 
@@ -324,15 +315,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, s
             plgpu.wgmma(acc_ref, q_smem.at[h], k_smem.at[slot, :, pl.ds(h * half, half)].T)
           return 2
 
-        def weights(s):
-          s, dtanh, logit_scale = _capped(s, sigma2, cap2, tanh)
-          k_ids = None
-          if has_segments:
-            plgpu.barrier_wait(kseg_ready.at[slot])
-            k_ids = plgpu.load(kseg_smem.at[slot], layout=COL)
-          s = _masked(s, row0, i * ROWS, q_ids, k_ids, causal_rows_are_queries=True, causal=causal, kv_len=kv_len,
-                      masked=masked, window=window)
-          return jnp.exp2(s * logit_scale - lse), dtanh
+        weights = functools.partial(
+            _query_rows_weights, slot=slot, row0=row0, kv_block=i, q_ids=q_ids, kseg_smem=kseg_smem,
+            kseg_ready=kseg_ready, lse=lse, sigma2=sigma2, cap2=cap2, tanh=tanh, causal=causal, kv_len=kv_len,
+            masked=masked, window=window)
 
         def issue_dp(acc_ref):
           plgpu.wgmma(acc_ref, do_smem, v_smem.at[slot].T)
