@@ -954,9 +954,9 @@ def test_window_whole_blocks_are_wholly_visible_and_the_rest_of_the_band_is_mask
               window, kv_len, mirrored, row0, wholly, lead, full)
 
 
-# (name, seq, q·k head dim, v head dim, causal, packed, attention keywords, backward tiles): each backward kernel family
-# with BlockSizes(overlap_matmuls=True) — the two kernels at 128, the fused one at 64, split dQ, the wide kernels at
-# 256, MLA's 192/128 — and the soft cap with a window
+# (name, seq, q·k head dim, v head dim, causal, packed, attention keywords, backward tiles): each backward kernel
+# family with BlockSizes(overlap_matmuls=True) — the two kernels at 128, the fused one at 64, split dQ, the wide
+# kernels at 256, MLA's 192/128 — and the soft cap with a window
 OVERLAP = pallas_mgpu_vjp.BlockSizes(overlap_matmuls=True)
 OVERLAP_CASES = [
     ("causal_d128", 1000, 128, 128, True, False, {}, OVERLAP),

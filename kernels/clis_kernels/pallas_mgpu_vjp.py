@@ -157,8 +157,8 @@ def _key_rows_weights(s, *, slot, kv0, q_block, k_ids, qseg_smem, lse_smem, delt
   capped, masked, with the streamed block's lse and Δ (in shared-memory `slot`) broadcast over the keys."""
   s, dtanh, logit_scale = _capped(s, sigma2, cap2, tanh)
   q_ids = None if qseg_smem is None else plgpu.load(qseg_smem.at[slot], layout=COL)
-  s = _masked(s, kv0, q_block * ROWS, k_ids, q_ids, causal_rows_are_queries=False, causal=causal, kv_len=None, masked=masked,
-              window=window)
+  s = _masked(s, kv0, q_block * ROWS, k_ids, q_ids, causal_rows_are_queries=False, causal=causal, kv_len=None,
+              masked=masked, window=window)
   lse = lax.broadcast_in_dim(plgpu.load(lse_smem.at[slot], layout=COL), s.shape, [1])
   delta = lax.broadcast_in_dim(plgpu.load(delta_smem.at[slot], layout=COL), s.shape, [1])
   return jnp.exp2(s * logit_scale - lse), dtanh, delta
@@ -259,9 +259,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, s
 
         (p, dtanh), dp = _weights_and_dp(issue_s, issue_dp, weights, overlap=overlap,
                                          wait_dp=lambda: plgpu.barrier_wait(v_ready.at[slot]))
-        ds = p * (dp - rows_of(delta))
-        if dtanh is not None:
-          ds = ds * dtanh
+        ds = _scores_grad(p, dtanh, rows_of(delta), dp)
 
         def dq_update(acc_ref):
           plgpu.wgmma(acc_ref, ds.astype(dtype), k_smem.at[slot])

@@ -326,10 +326,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, s
 
         (p, dtanh), dp = _weights_and_dp(issue_s, issue_dp, weights, overlap=overlap,
                                          wait_dp=lambda: plgpu.barrier_wait(v_ready.at[slot]))
-        ds = p * (dp - delta)
-        if dtanh is not None:
-          ds = ds * dtanh
-        ds_low = ds.astype(dtype)
+        ds_low = _scores_grad(p, dtanh, delta, dp).astype(dtype)
         _hand_over(None, ds_smem, None, ds_low, handed, taken)
 
         def update(acc_ref):
