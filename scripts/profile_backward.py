@@ -23,8 +23,9 @@ from clis_train import benchmarking
 
 
 def _case(b, s, hq, hkv, d, causal, packed, fused, seed=0, dv=None, softcap=None, overlap=False):
-  """{part: zero-argument callable} for one shape, the forward's o and lse made once beforehand; with overlap, the
-  kernels with BlockSizes(overlap_matmuls=True) beside them (parts named *_overlap)."""
+  """{part: zero-argument callable} for one shape, the forward's o and lse made once beforehand; the backward and its
+  kernels at the library's default tiles (fused or not as asked). With overlap, the kernels in the default step order
+  (overlap_matmuls=False) and the overlapped one (parts named *_overlap)."""
   dv = d if dv is None else dv
   kq, kk, kv, kd, kc = jax.random.split(jax.random.PRNGKey(seed), 5)
   q = jax.random.normal(kq, (b, s, hq, d), jnp.bfloat16)
@@ -35,9 +36,9 @@ def _case(b, s, hq, hkv, d, causal, packed, fused, seed=0, dv=None, softcap=None
   if packed:  # documents of ~1000 tokens, as bench_attention's --doc-len 1000
     ids = jnp.cumsum(jax.random.bernoulli(kc, 1e-3, (b, s)).astype(jnp.int32), axis=1) + 1
     seg = masks.SegmentIds(ids, ids)
+  default = dataclasses.replace(pallas_mgpu_vjp.default_block_sizes(d, s, q.dtype), fused_dq=fused)
   plan = plan_lib.make_plan(dtype=q.dtype, head_dim=d, value_head_dim=dv, seq_len=s, stabilizer="online", causal=causal,
-                            packed=packed, implementation="pallas_mgpu",
-                            backward_block_sizes=pallas_mgpu_vjp.BlockSizes(fused_dq=fused))
+                            packed=packed, implementation="pallas_mgpu", backward_block_sizes=default)
   scale = d ** -0.5
   o, lse, _ = jax.jit(lambda q, k, v, seg: plan.backend.forward(
       q, k, v, seg, None, mode=plan.mode, causal=causal, scale=scale, kv_len=None, block_sizes=plan.block_sizes,
@@ -51,12 +52,15 @@ def _case(b, s, hq, hkv, d, causal, packed, fused, seed=0, dv=None, softcap=None
       "backward": jax.jit(lambda *a: pallas_mgpu_vjp.backward(*a, causal=causal, scale=scale, kv_len=None,
                                                                block_sizes=bs, softcap=softcap)),
   }
-  for suffix, tiles in [("", bs)] + ([("_overlap", dataclasses.replace(bs, overlap_matmuls=True))] if overlap else []):
+  orders = [("", bs)]  # the kernels as the backward runs them; with overlap, each step order named
+  if overlap:
+    orders = [(name, dataclasses.replace(bs, overlap_matmuls=on)) for name, on in (("", False), ("_overlap", True))]
+  for suffix, order in orders:
     if fused:
-      parts["fused_kernel" + suffix] = jax.jit(lambda *a, t=tiles: launches(*a, bs=t).fused())
+      parts["fused_kernel" + suffix] = jax.jit(lambda *a, t=order: launches(*a, bs=t).fused())
     else:
-      parts["dq_kernel" + suffix] = jax.jit(lambda *a, t=tiles: launches(*a, bs=t).dq())
-      parts["dkv_kernel" + suffix] = jax.jit(lambda *a, t=tiles: launches(*a, bs=t).dkv())
+      parts["dq_kernel" + suffix] = jax.jit(lambda *a, t=order: launches(*a, bs=t).dq())
+      parts["dkv_kernel" + suffix] = jax.jit(lambda *a, t=order: launches(*a, bs=t).dkv())
   fns = {name: functools.partial(f, *args) for name, f in parts.items()}
   if not packed and softcap is None:  # cuDNN's backward alone (tokamax's where cuDNN takes no such v), from its own
     # forward's residuals
