@@ -240,6 +240,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, s
       lse, delta = plgpu.load(lse_smem.at[wg], layout=ROW), plgpu.load(delta_smem.at[wg], layout=ROW)
       rows_of = lambda x: lax.broadcast_in_dim(x, (ROWS, ROWS), [0])
 
+      row_weights = functools.partial(  # the step's weights, less its slot, block and mask
+          _query_rows_weights, row0=row0, q_ids=q_ids, kseg_smem=kseg_smem, kseg_ready=kseg_ready, lse=lse,
+          sigma2=sigma2, cap2=cap2, tanh=tanh, causal=causal, kv_len=kv_len, window=window)
+
       def step(i, acc, masked: bool):
         slot = slot_of(i)
         plgpu.barrier_wait(k_ready.at[slot])
@@ -248,10 +252,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, s
           plgpu.wgmma(acc_ref, q_smem.at[wg], k_smem.at[slot].T)
           return 1
 
-        weights = functools.partial(
-            _query_rows_weights, slot=slot, row0=row0, kv_block=i, q_ids=q_ids, kseg_smem=kseg_smem,
-            kseg_ready=kseg_ready, lse=lse, sigma2=sigma2, cap2=cap2, tanh=tanh, causal=causal, kv_len=kv_len,
-            masked=masked, window=window)
+        weights = functools.partial(row_weights, slot=slot, kv_block=i, masked=masked)
 
         def issue_dp(acc_ref):
           plgpu.wgmma(acc_ref, do_smem.at[wg], v_smem.at[slot].T)
@@ -382,6 +383,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
         for barrier in (q_ready, do_ready, lse_ready, delta_ready) + ((qseg_ready,) if has_segments else ()):
           plgpu.barrier_wait(barrier.at[slot])
 
+      key_weights = functools.partial(  # the step's weights, less its slot, block and mask
+          _key_rows_weights, kv0=kv0, k_ids=k_ids, qseg_smem=qseg_smem, lse_smem=lse_smem, delta_smem=delta_smem,
+          sigma2=sigma2, cap2=cap2, tanh=tanh, causal=causal, window=window)
+
       def step(j, carry, g, masked: bool):
         """q block j of group head g; the stream's step i counts from the CTA's first block."""
         dk, dv = carry
@@ -392,9 +397,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
           plgpu.wgmma(acc_ref, k_smem.at[wg], q_smem.at[slot].T)
           return 1
 
-        weights = functools.partial(
-            _key_rows_weights, slot=slot, kv0=kv0, q_block=j, k_ids=k_ids, qseg_smem=qseg_smem, lse_smem=lse_smem,
-            delta_smem=delta_smem, sigma2=sigma2, cap2=cap2, tanh=tanh, causal=causal, masked=masked, window=window)
+        weights = functools.partial(key_weights, slot=slot, q_block=j, masked=masked)
 
         def issue_dp(acc_ref):  # dPᵀ = V·dOᵀ
           plgpu.wgmma(acc_ref, v_smem.at[wg], do_smem.at[slot].T)

@@ -117,6 +117,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
         plgpu.barrier_wait(v_ready.at[h])
       columns, value_columns = pl.ds(0, half), pl.ds(0, value_half)
 
+      key_weights = functools.partial(  # the step's weights, less its slot, block and mask
+          _key_rows_weights, kv0=kv0, k_ids=k_ids, qseg_smem=qseg_smem, lse_smem=lse_smem, delta_smem=delta_smem,
+          sigma2=sigma2, cap2=cap2, tanh=tanh, causal=causal, window=window)
+
       def step(j, carry, g, masked: bool):
         dk, dv = carry
         slot = slot_of(g, j)
@@ -127,9 +131,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
             plgpu.wgmma(acc_ref, k_smem.at[h], q_smem.at[slot, :, pl.ds(h * half, half)].T)
           return 2
 
-        weights = functools.partial(
-            _key_rows_weights, slot=slot, kv0=kv0, q_block=j, k_ids=k_ids, qseg_smem=qseg_smem, lse_smem=lse_smem,
-            delta_smem=delta_smem, sigma2=sigma2, cap2=cap2, tanh=tanh, causal=causal, masked=masked, window=window)
+        weights = functools.partial(key_weights, slot=slot, q_block=j, masked=masked)
 
         def issue_dp(acc_ref):  # dPᵀ = V·dOᵀ
           for h in range(2):
@@ -140,13 +142,18 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
           def overlapped(refs):
             dk_ref_, dv_ref_ = refs
 
+            def weights_low(s):  # P rounded once, for dV's wgmma and the hand-over
+              p, dtanh, delta = weights(s)
+              return p, p.astype(dtype), dtanh, delta
+
             def issue_dv(w):
-              plgpu.wgmma(dv_ref_, w[0].astype(dtype), do_smem.at[slot, :, value_columns])
+              plgpu.wgmma(dv_ref_, w[1], do_smem.at[slot, :, value_columns])
               return 1
 
-            (p, dtanh, delta), dp = _weights_and_dp(issue_s, issue_dp, weights, overlap=True, after_weights=issue_dv)
+            (p, p_low, dtanh, delta), dp = _weights_and_dp(issue_s, issue_dp, weights_low, overlap=True,
+                                                           after_weights=issue_dv)
             ds_low = _scores_grad(p, dtanh, delta, dp).astype(dtype)
-            _hand_over(p_smem, ds_smem, p.astype(dtype), ds_low, handed, taken)
+            _hand_over(p_smem, ds_smem, p_low, ds_low, handed, taken)
             plgpu.wgmma(dk_ref_, ds_low, q_smem.at[slot, :, columns])
 
           dk, dv = pl.run_state(overlapped)((plgpu.ACC.init(dk), plgpu.ACC.init(dv)))
@@ -306,6 +313,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, s
       lse, delta = rows_of(plgpu.load(lse_smem, layout=ROW)), rows_of(plgpu.load(delta_smem, layout=ROW))
       columns = pl.ds(0, half)
 
+      row_weights = functools.partial(  # the step's weights, less its slot, block and mask
+          _query_rows_weights, row0=row0, q_ids=q_ids, kseg_smem=kseg_smem, kseg_ready=kseg_ready, lse=lse,
+          sigma2=sigma2, cap2=cap2, tanh=tanh, causal=causal, kv_len=kv_len, window=window)
+
       def step(i, dq, masked: bool):
         slot = slot_of(i)
         plgpu.barrier_wait(k_ready.at[slot])
@@ -315,10 +326,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, s
             plgpu.wgmma(acc_ref, q_smem.at[h], k_smem.at[slot, :, pl.ds(h * half, half)].T)
           return 2
 
-        weights = functools.partial(
-            _query_rows_weights, slot=slot, row0=row0, kv_block=i, q_ids=q_ids, kseg_smem=kseg_smem,
-            kseg_ready=kseg_ready, lse=lse, sigma2=sigma2, cap2=cap2, tanh=tanh, causal=causal, kv_len=kv_len,
-            masked=masked, window=window)
+        weights = functools.partial(row_weights, slot=slot, kv_block=i, masked=masked)
 
         def issue_dp(acc_ref):
           plgpu.wgmma(acc_ref, do_smem, v_smem.at[slot].T)
