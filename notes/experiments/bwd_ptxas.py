@@ -59,8 +59,11 @@ def main():
       cmd = [sys.executable, __file__, "--kernel", kernel, "--seq", str(args.seq), "--heads", *map(str, args.heads)]
       cmd += ["--overlap"] * overlap + ([] if args.softcap is None else ["--softcap", str(args.softcap)])
       cmd += [] if args.value_dim is None else ["--value-dim", str(args.value_dim)]
-      subprocess.run(cmd, env=env, check=True)
-      lines = [line.strip() for f in sorted(dump.glob("*.ptxas")) for line in f.read_text().splitlines()
+      # ptxas's verbose report may land in a dump file or on the child's stderr: search both.
+      child = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
+      texts = [child.stdout, child.stderr]
+      texts += [f.read_text(errors="replace") for f in sorted(dump.rglob("*")) if f.is_file()]
+      lines = [line.strip() for text in texts for line in text.splitlines()
                if "registers" in line or "spill" in line]
       report[name] = lines
       print(name, *lines, sep="\n  ", flush=True)
