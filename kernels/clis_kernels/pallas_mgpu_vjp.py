@@ -59,7 +59,12 @@ class BlockSizes:
   overlap_matmuls: each step issues dP's wgmma right behind S's and waits only for S before forming P, so the
   tensor cores run dP while the warpgroup computes P (FlashAttention-3's order); the dK/dV kernels also issue dV's
   wgmma before waiting for dP. The same arithmetic in another order (bit-identical gradients); it holds dP's
-  accumulator (32 registers a thread) through P. default_block_sizes says where it is on."""
+  accumulator (32 registers a thread) through P. default_block_sizes says where it is on.
+  deferred_release (two-kernel dK/dV, D ≤ 128): dK and dV accumulate in wgmma registers across the whole loop and a
+  step never waits for its own dK and dV wgmmas; it releases its streamed block's slot in the next step, once that
+  step's S is in (wgmma groups complete in order, so S done means the last step's dV and dK are done). The tensor cores
+  then run one step's dK into the next step's S. A block stays held about one step longer, so it wants slots ≥ 3.
+  Bit-identical gradients."""
 
   slots: int = 2
   fused_dq: bool = False
@@ -67,6 +72,7 @@ class BlockSizes:
   split_dq: bool = False
   soft_cap_tanh: str = "approx"
   overlap_matmuls: bool = False
+  deferred_release: bool = False
 
   def __post_init__(self):
     if self.soft_cap_tanh not in TANHS:
@@ -75,6 +81,8 @@ class BlockSizes:
       raise ValueError(f"{self.slots=} must be at least 2 (one block computing while the next loads)")
     if self.split_dq and not self.fused_dq:
       raise ValueError("split_dq=True splits the fused backward's dQ: it needs fused_dq=True")
+    if self.deferred_release and self.fused_dq:
+      raise ValueError("deferred_release=True defers the two-kernel dK/dV's waits: it needs fused_dq=False")
 
   @property
   def multiple(self) -> int:
@@ -327,7 +335,7 @@ def _q_blocks(kv0, rows, *, causal: bool, num_q_blocks: int):
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, sigma2, scale, slots, group,
                 has_segments, fused_dq: bool = False, split_dq: bool = False, doc_ranges: bool = False, window=None,
-                cap2=None, tanh: str = "approx", overlap: bool = False):
+                cap2=None, tanh: str = "approx", overlap: bool = False, deferred: bool = False):
   qseg_ref = kseg_ref = dq_ref = range_ref = None
   if has_segments:
     (qseg_ref, kseg_ref), refs = refs[:2], refs[2:]
@@ -387,9 +395,14 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
           _key_rows_weights, kv0=kv0, k_ids=k_ids, qseg_smem=qseg_smem, lse_smem=lse_smem, delta_smem=delta_smem,
           sigma2=sigma2, cap2=cap2, tanh=tanh, causal=causal, window=window)
 
-      def step(j, carry, g, masked: bool):
-        """q block j of group head g; the stream's step i counts from the CTA's first block."""
-        dk, dv = carry
+      def release_pending(pending):  # deferred: the slot a step ago, −1 for none
+        @pl.when(pending >= 0)
+        def _():
+          plgpu.barrier_arrive(free.at[pending])
+
+      def step(j, carry, g, masked: bool, acc_refs=None):
+        """q block j of group head g; the stream's step i counts from the CTA's first block. carry: (dk, dv), or
+        with acc_refs (deferred_release: dK, dV accumulator refs) the slot still to release."""
         slot = lax.rem(g * per_head + j - cta_first, jnp.int32(slots))
         wait_block(slot)
 
@@ -403,17 +416,18 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
           plgpu.wgmma(acc_ref, v_smem.at[wg], do_smem.at[slot].T)
           return 1
 
+        if acc_refs is not None:  # nothing waited for here: S's wait in the next step releases this slot
+          def weights_then_release(s):  # S is in, so the last step's dV and dK wgmmas are done
+            release_pending(carry)
+            return weights(s)
+
+          _dkv_update(*acc_refs, issue_s, issue_dp, weights_then_release, q_smem.at[slot], do_smem.at[slot],
+                      overlap=overlap)
+          return slot
+        dk, dv = carry
         if overlap and not fused_dq:  # dV's wgmma too goes out before dP is waited for
-          def overlapped(refs):
-            dk_ref_, dv_ref_ = refs
-
-            def issue_dv(w):
-              plgpu.wgmma(dv_ref_, w[0].astype(dtype), do_smem.at[slot])
-              return 1
-
-            w, dp = _weights_and_dp(issue_s, issue_dp, weights, overlap=True, after_weights=issue_dv)
-            plgpu.wgmma(dk_ref_, _scores_grad(*w, dp).astype(dtype), q_smem.at[slot])
-
+          overlapped = lambda refs: _dkv_update(*refs, issue_s, issue_dp, weights, q_smem.at[slot], do_smem.at[slot],
+                                                overlap=True)
           dk, dv = pl.run_state(overlapped)((plgpu.ACC.init(dk), plgpu.ACC.init(dv)))
           plgpu.barrier_arrive(free.at[slot])
           return dk, dv
@@ -449,7 +463,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
         wait_block(slot)
         plgpu.barrier_arrive(free.at[slot])
 
-      def head_loop(g, carry):
+      def head_loop(g, carry, step=step):
         if causal and window is None and not split_dq:  # from this warpgroup's own diagonal; blocks above released
           int32_loop(cta_first, first, functools.partial(release, g=g), None)
           carry = int32_loop(first, first_full, functools.partial(step, g=g, masked=True), carry)
@@ -459,8 +473,22 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
                              causal=causal, window=window, num_q_blocks=num_q_blocks)
 
       zeros = lambda width: plgpu.layout_cast(jnp.zeros((ROWS, width), jnp.float32), plgpu.Layout.WGMMA)
-      dk0 = zeros(head_dim)
-      dk, dv = int32_loop(0, group, head_loop, (dk0, dk0 if value_head_dim == head_dim else zeros(value_head_dim)))
+      if deferred:  # zero-initialised accumulators (run_scoped's)
+        def accumulate(*acc_refs):  # each head's last slot released once its wgmmas are done (before the next's)
+          def deferred_head(g, _):
+            pending = head_loop(g, jnp.int32(-1), step=functools.partial(step, acc_refs=acc_refs))
+            plgpu.wgmma_wait(0)
+            release_pending(pending)
+            return None
+
+          int32_loop(0, group, deferred_head, None)
+          return tuple(plgpu.wgmma_accumulator_load(ref) for ref in acc_refs)
+
+        dk, dv = pl.run_scoped(accumulate, plgpu.ACC((ROWS, head_dim)), plgpu.ACC((ROWS, value_head_dim)))
+      else:
+        dk0 = zeros(head_dim)
+        dk, dv = int32_loop(0, group, head_loop,
+                            (dk0, dk0 if value_head_dim == head_dim else zeros(value_head_dim)))
       if split_dq:  # the other warpgroup's last dQ wgmma reads this one's K: dK may take its bytes only after
         plgpu.barrier_arrive(keys_read.at[0])
         plgpu.barrier_wait(keys_read.at[0])
@@ -485,6 +513,24 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
 
   pl.run_scoped(body, *_dkv_scratch(dtype, head_dim, value_head_dim, slots, has_segments, fused_dq, split_dq),
                 *(range_scratch() if doc_ranges else ()), collective_axes="wg")
+
+
+def _dkv_update(dk_ref, dv_ref, issue_s, issue_dp, weights, q_block, do_block, *, overlap: bool):
+  """One two-kernel dK/dV step into accumulator refs dK, dV [64 keys, D], issued and not waited for: weights(Sᵀ) =
+  (Pᵀ, the cap's derivative, Δ), dPᵀ, then dV += Pᵀ·dO and dK += dSᵀ·Q (with overlap, dV's wgmma goes out before dP
+  is waited for)."""
+  dtype = do_block.dtype
+
+  def issue_dv(w):
+    plgpu.wgmma(dv_ref, w[0].astype(dtype), do_block)
+    return 1
+
+  if overlap:
+    w, dp = _weights_and_dp(issue_s, issue_dp, weights, overlap=True, after_weights=issue_dv)
+  else:
+    w, dp = _weights_and_dp(issue_s, issue_dp, weights, overlap=False)
+    issue_dv(w)
+  plgpu.wgmma(dk_ref, _scores_grad(*w, dp).astype(dtype), q_block)
 
 
 def _walk_q_blocks(step, carry, g, *, kv0, first, first_full, end, causal: bool, window, num_q_blocks: int):
@@ -660,6 +706,9 @@ class Launches:
     if block_sizes.fused_dq and q.shape[-1] != v.shape[-1]:
       raise ValueError(f"fused_dq=True needs v's head dim equal to q's; got {q.shape[-1]} and {v.shape[-1]}: use "
                        "BlockSizes(fused_dq=False)")
+    if block_sizes.deferred_release and self.wide:
+      raise ValueError(f"deferred_release=True is built for head dims up to {MAX_HEAD_DIM}; got head_dim={q.shape[-1]} "
+                       "(pallas_mgpu_vjp_wide's kernels): use BlockSizes(deferred_release=False)")
     if block_sizes.split_dq and q.shape[-1] != 128:
       raise ValueError(f"split_dq=True needs head_dim 128 (halves of 64 columns, one swizzle tile); got "
                        f"head_dim={q.shape[-1]}: use BlockSizes(fused_dq=True) without split_dq")
@@ -673,6 +722,7 @@ class Launches:
                        window=None if window is None else tuple(int(w) for w in window),
                        cap2=None if softcap is None else float(softcap) * LOG2E, tanh=block_sizes.soft_cap_tanh,
                        overlap=block_sizes.overlap_matmuls)
+    self.deferred = block_sizes.deferred_release
     self.dq_args, self.dkv_args = args, args
     cta_rows = ROWS if self.wide else COMPUTE_WARPGROUPS * ROWS  # the wide kernels' warpgroups share their rows
     if doc_ranges:
@@ -714,6 +764,8 @@ class Launches:
     """(dk, dv) from the dK/dV kernel (rows = keys)."""
     k, v = self.k, self.v
     _, kernel, common = self._kernels()
+    if self.deferred:
+      common = dict(common, deferred=True)
     return self._launch(functools.partial(kernel, **common),
                         (out_struct(k.shape, k.dtype, k), out_struct(v.shape, v.dtype, v)), self.dkv_grid,
                         ("heads", "kv_tiles", "batch"))(*self.dkv_args)
