@@ -26,7 +26,7 @@ def _case(b, s, hq, hkv, d, causal, packed, fused, seed=0, dv=None, softcap=None
   """{part: zero-argument callable} for one shape, the forward's o and lse made once beforehand; the backward and its
   kernels at the library's default tiles (fused or not as asked). With overlap, the kernels in the default step order
   (overlap_matmuls=False) and the overlapped one (parts named *_overlap). With deferred (two kernels), each order's
-  dK/dV kernel also with three slots (*_slots3) and with deferred_release at three and two slots (*_deferred3,
+  kernels also with three slots (*_slots3) and with deferred_release at three and two slots (*_deferred3,
   *_deferred2)."""
   dv = d if dv is None else dv
   kq, kk, kv, kd, kc = jax.random.split(jax.random.PRNGKey(seed), 5)
@@ -67,6 +67,7 @@ def _case(b, s, hq, hkv, d, causal, packed, fused, seed=0, dv=None, softcap=None
         for name, changes in (("_slots3", dict(slots=3)), ("_deferred3", dict(slots=3, deferred_release=True)),
                               ("_deferred2", dict(slots=2, deferred_release=True))):
           t = dataclasses.replace(order, **changes)
+          parts["dq_kernel" + suffix + name] = jax.jit(lambda *a, t=t: launches(*a, bs=t).dq())
           parts["dkv_kernel" + suffix + name] = jax.jit(lambda *a, t=t: launches(*a, bs=t).dkv())
   fns = {name: functools.partial(f, *args) for name, f in parts.items()}
   if not packed and softcap is None:  # cuDNN's backward alone (tokamax's where cuDNN takes no such v), from its own
@@ -102,7 +103,7 @@ def main():
   parser.add_argument("--overlap", action="store_true",
                       help="also time each kernel with BlockSizes(overlap_matmuls=True), interleaved")
   parser.add_argument("--deferred", action="store_true",
-                      help="also time the dK/dV kernel with three slots and with BlockSizes(deferred_release=True)")
+                      help="also time both kernels with three slots and with BlockSizes(deferred_release=True)")
   parser.add_argument("--repeats", type=int, default=9)
   parser.add_argument("--inner", type=int, default=3)
   parser.add_argument("--out", default=None)

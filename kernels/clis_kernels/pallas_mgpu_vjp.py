@@ -60,11 +60,11 @@ class BlockSizes:
   tensor cores run dP while the warpgroup computes P (FlashAttention-3's order); the dK/dV kernels also issue dV's
   wgmma before waiting for dP. The same arithmetic in another order (bit-identical gradients); it holds dP's
   accumulator (32 registers a thread) through P. default_block_sizes says where it is on.
-  deferred_release (two-kernel dK/dV, D ≤ 128): dK and dV accumulate in wgmma registers across the whole loop and a
-  step never waits for its own dK and dV wgmmas; it releases its streamed block's slot in the next step, once that
-  step's S is in (wgmma groups complete in order, so S done means the last step's dV and dK are done). The tensor cores
-  then run one step's dK into the next step's S. A block stays held about one step longer, so it wants slots ≥ 3.
-  Bit-identical gradients."""
+  deferred_release (the two kernels, D ≤ 128 and MLA): dQ, or dK and dV, accumulate in wgmma registers across the
+  whole loop and a step never waits for its own last wgmmas (dQ's; dV's and dK's); it releases its streamed block's
+  slot in the next step, once that step's S is in (wgmma groups complete in order, so S done means the last step's
+  are done). The tensor cores then run one step's last matmul into the next step's S. A block stays held about one
+  step longer, so it wants slots ≥ 3. Bit-identical gradients."""
 
   slots: int = 2
   fused_dq: bool = False
@@ -189,7 +189,7 @@ def _query_rows_weights(s, *, slot, row0, kv_block, q_ids, kseg_smem, kseg_ready
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, sigma2, scale, slots, kv_len,
                group, has_segments, doc_ranges: bool = False, window=None, cap2=None, tanh: str = "approx",
-               overlap: bool = False):
+               overlap: bool = False, deferred: bool = False):
   qseg_ref = kseg_ref = range_ref = None
   if has_segments:
     (qseg_ref, kseg_ref), refs = refs[:2], refs[2:]
@@ -252,7 +252,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, s
           _query_rows_weights, row0=row0, q_ids=q_ids, kseg_smem=kseg_smem, kseg_ready=kseg_ready, lse=lse,
           sigma2=sigma2, cap2=cap2, tanh=tanh, causal=causal, kv_len=kv_len, window=window)
 
-      def step(i, acc, masked: bool):
+      def release_pending(pending):  # deferred: the slot a step ago, −1 for none
+        @pl.when(pending >= 0)
+        def _():
+          plgpu.barrier_arrive(free.at[pending])
+
+      def step(i, acc, masked: bool, dq_acc=None):
+        """KV block i; acc: dQ [64, D], or with dq_acc (deferred_release: dQ's accumulator ref) the slot still to
+        release."""
         slot = slot_of(i)
         plgpu.barrier_wait(k_ready.at[slot])
 
@@ -261,6 +268,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, s
           return 1
 
         weights = functools.partial(row_weights, slot=slot, kv_block=i, masked=masked)
+        if dq_acc is not None:
+          def weights(s, weights=weights):  # S is in, so the last step's dQ wgmma is done: its slot goes back
+            release_pending(acc)
+            return weights(s)
 
         def issue_dp(acc_ref):
           plgpu.wgmma(acc_ref, do_smem.at[wg], v_smem.at[slot].T)
@@ -269,6 +280,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, s
         (p, dtanh), dp = _weights_and_dp(issue_s, issue_dp, weights, overlap=overlap,
                                          wait_dp=lambda: plgpu.barrier_wait(v_ready.at[slot]))
         ds = _scores_grad(p, dtanh, rows_of(delta), dp)
+        if dq_acc is not None:  # not waited for: the next step's S releases this slot
+          plgpu.wgmma(dq_acc, ds.astype(dtype), k_smem.at[slot])
+          return slot
 
         def dq_update(acc_ref):
           plgpu.wgmma(acc_ref, ds.astype(dtype), k_smem.at[slot])
@@ -283,12 +297,24 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, s
           plgpu.barrier_wait(barrier.at[slot])
         plgpu.barrier_arrive(free.at[slot])
 
-      acc = plgpu.layout_cast(jnp.zeros((ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA)
-      if window is not None:
-        acc = int32_loop(first, lead, functools.partial(step, masked=True), acc)
-      acc = int32_loop(lead, full, functools.partial(step, masked=False), acc)
-      if causal or kv_len is not None or window is not None:
-        acc = int32_loop(full, total, functools.partial(step, masked=True), acc)
+      def steps(acc, step=step):
+        if window is not None:
+          acc = int32_loop(first, lead, functools.partial(step, masked=True), acc)
+        acc = int32_loop(lead, full, functools.partial(step, masked=False), acc)
+        if causal or kv_len is not None or window is not None:
+          acc = int32_loop(full, total, functools.partial(step, masked=True), acc)
+        return acc
+
+      if deferred:  # dQ in a zero-initialised accumulator across the loop; the last slot released once it is done
+        def accumulate(dq_acc):
+          pending = steps(jnp.int32(-1), step=functools.partial(step, dq_acc=dq_acc))
+          plgpu.wgmma_wait(0)
+          release_pending(pending)
+          return plgpu.wgmma_accumulator_load(dq_acc)
+
+        acc = pl.run_scoped(accumulate, plgpu.ACC((ROWS, head_dim)))
+      else:
+        acc = steps(plgpu.layout_cast(jnp.zeros((ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA))
       if causal and window is None:
         int32_loop(total, cta_blocks, release, None)
       q_smem.at[wg][...] = (acc * scale).astype(dtype)
@@ -757,6 +783,8 @@ class Launches:
     """dq from the dQ kernel (rows = queries)."""
     q = self.q
     kernel, _, common = self._kernels()
+    if self.deferred:
+      common = dict(common, deferred=True)
     return self._launch(functools.partial(kernel, kv_len=self.kv_len, **common),
                         out_struct(q.shape, q.dtype, q), self.dq_grid, ("heads", "q_tiles", "batch"))(*self.dq_args)
 
