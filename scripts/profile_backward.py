@@ -26,8 +26,7 @@ def _case(b, s, hq, hkv, d, causal, packed, fused, seed=0, dv=None, softcap=None
   """{part: zero-argument callable} for one shape, the forward's o and lse made once beforehand; the backward and its
   kernels at the library's default tiles (fused or not as asked). With overlap, the kernels in the default step order
   (overlap_matmuls=False) and the overlapped one (parts named *_overlap). With deferred (two kernels), each order's
-  kernels also with three slots (*_slots3) and with deferred_release at three and two slots (*_deferred3,
-  *_deferred2)."""
+  kernels also with three slots (*_slots3) and with deferred_release at three slots (*_deferred3)."""
   dv = d if dv is None else dv
   kq, kk, kv, kd, kc = jax.random.split(jax.random.PRNGKey(seed), 5)
   q = jax.random.normal(kq, (b, s, hq, d), jnp.bfloat16)
@@ -64,8 +63,7 @@ def _case(b, s, hq, hkv, d, causal, packed, fused, seed=0, dv=None, softcap=None
       parts["dq_kernel" + suffix] = jax.jit(lambda *a, t=order: launches(*a, bs=t).dq())
       parts["dkv_kernel" + suffix] = jax.jit(lambda *a, t=order: launches(*a, bs=t).dkv())
       if deferred:
-        for name, changes in (("_slots3", dict(slots=3)), ("_deferred3", dict(slots=3, deferred_release=True)),
-                              ("_deferred2", dict(slots=2, deferred_release=True))):
+        for name, changes in (("_slots3", dict(slots=3)), ("_deferred3", dict(slots=3, deferred_release=True))):
           t = dataclasses.replace(order, **changes)
           parts["dq_kernel" + suffix + name] = jax.jit(lambda *a, t=t: launches(*a, bs=t).dq())
           parts["dkv_kernel" + suffix + name] = jax.jit(lambda *a, t=t: launches(*a, bs=t).dkv())
