@@ -218,11 +218,13 @@ def _overlap_bwd(q, k, v, seg, causal, stabilizer, **kw):
 
 
 def _deferred_bwd(q, k, v, seg, causal, stabilizer, overlap: bool, **kw):
-  """The default forward with the Mosaic GPU backward's two kernels and BlockSizes(deferred_release=True, slots=3):
+  """The default forward with the Mosaic GPU backward's two kernels and BlockSizes(deferred_release=True, slots=3; 2
+  at head dim 256, where three do not fit):
   the dK/dV kernel's slots released a step later (dK, dV accumulating in wgmma registers across its loop); overlap
   sets overlap_matmuls (whatever the default would)."""
   tiles = pallas_mgpu_vjp.default_block_sizes(q.shape[-1], q.shape[1], q.dtype)
-  tiles = dataclasses.replace(tiles, fused_dq=False, deferred_release=True, slots=3, overlap_matmuls=overlap)
+  tiles = dataclasses.replace(tiles, fused_dq=False, deferred_release=True, slots=3 if q.shape[-1] < 256 else 2,
+                              overlap_matmuls=overlap)
   return attention(q, k, v, seg, causal=causal, stabilizer=stabilizer, backward_block_sizes=tiles, **kw)
 
 

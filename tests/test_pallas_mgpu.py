@@ -1009,8 +1009,8 @@ def test_overlapped_matmuls_change_nothing_on_gpu(name, seq, d, dv, causal, pack
   assert max(errors) < TOLERANCE[jnp.bfloat16][1], errors
 
 
-# BlockSizes(deferred_release=True) in the two-kernel dK/dV (D ≤ 128, MLA): each kernel path (causal with its release
-# loop, packed with document ranges, bidirectional packed, cap + window, GQA 4 heads a group), both step orders
+# BlockSizes(deferred_release=True) in the two kernels (D ≤ 128, MLA, the wide ones at 256): each kernel path (causal
+# with its release loops, packed with document ranges, bidirectional packed, cap + window), both step orders
 DEFERRED = pallas_mgpu_vjp.BlockSizes(deferred_release=True, slots=3)
 DEFERRED_CASES = [
     ("causal_d128", 1000, 128, 128, True, False, {}, DEFERRED),
@@ -1019,6 +1019,9 @@ DEFERRED_CASES = [
     ("bidir_packed_d128_overlap", 1024, 128, 128, False, True, {},
      dataclasses.replace(DEFERRED, overlap_matmuls=True)),
     ("causal_mla", 1000, 192, 128, True, False, {}, DEFERRED),
+    ("causal_packed_d256", 1000, 256, 256, True, True, {}, dataclasses.replace(DEFERRED, slots=2)),
+    ("bidir_cap30_d256_overlap", 640, 256, 256, False, False, dict(logits_soft_cap=30.0),
+     dataclasses.replace(DEFERRED, overlap_matmuls=True, slots=2)),  # three slots do not fit at 256
     ("causal_cap30_window300_d128", 1024, 128, 128, True, False, dict(logits_soft_cap=30.0, local_window_size=300),
      dataclasses.replace(DEFERRED, overlap_matmuls=True))]
 
@@ -1026,16 +1029,16 @@ DEFERRED_CASES = [
 @pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
 @pytest.mark.parametrize("name,seq,d,dv,causal,packed,kw,tiles", DEFERRED_CASES, ids=[c[0] for c in DEFERRED_CASES])
 def test_deferred_release_lowers_for_the_gpu(name, seq, d, dv, causal, packed, kw, tiles):
-  """BlockSizes(deferred_release=True) lowers for an H200: dK and dV accumulate in wgmma registers across the
-  dK/dV kernel's loop, each slot released a step later."""
+  """BlockSizes(deferred_release=True) lowers for an H200: dQ, dK and dV accumulate in wgmma registers across each
+  kernel's loop, each slot released a step later."""
   test_overlapped_matmuls_lower_for_the_gpu(name, seq, d, dv, causal, packed, kw, tiles)
 
 
 @needs_gpu
 @pytest.mark.parametrize("name,seq,d,dv,causal,packed,kw,tiles", DEFERRED_CASES, ids=[c[0] for c in DEFERRED_CASES])
 def test_deferred_release_changes_nothing_on_gpu(name, seq, d, dv, causal, packed, kw, tiles):
-  """deferred_release only moves the dK/dV kernel's waits and slot releases: dq, dk, dv bit-identical to the same
-  backward without it, and within bf16's tolerance of float64."""
+  """deferred_release only moves the kernels' waits and slot releases: dq, dk, dv bit-identical to the same backward
+  without it, and within bf16's tolerance of float64."""
   q, k, v, do, seg, want = _float64_case(name, seq, 16, 4, d, dv, causal, packed, kw)
 
   def grads(t):

@@ -60,8 +60,9 @@ class BlockSizes:
   tensor cores run dP while the warpgroup computes P (FlashAttention-3's order); the dK/dV kernels also issue dV's
   wgmma before waiting for dP. The same arithmetic in another order (bit-identical gradients); it holds dP's
   accumulator (32 registers a thread) through P. default_block_sizes says where it is on.
-  deferred_release (the two kernels, D ≤ 128 and MLA): dQ, or dK and dV, accumulate in wgmma registers across the
-  whole loop and a step never waits for its own last wgmmas (dQ's; dV's and dK's); it releases its streamed block's
+  deferred_release (the two kernels, wide ones included: there their scores warpgroup): dQ, or dK and dV, accumulate
+  in wgmma registers across the whole loop and a step never waits for its own last wgmmas (dQ's; dV's and dK's); it
+  releases its streamed block's
   slot in the next step, once that step's S is in (wgmma groups complete in order, so S done means the last step's
   are done). The tensor cores then run one step's last matmul into the next step's S. A block stays held about one
   step longer, so it wants slots ≥ 3. Bit-identical gradients."""
@@ -187,6 +188,35 @@ def _query_rows_weights(s, *, slot, row0, kv_block, q_ids, kseg_smem, kseg_ready
   return jnp.exp2(s * logit_scale - (lse if lse.ndim == 2 else lax.broadcast_in_dim(lse, s.shape, [0]))), dtanh
 
 
+def _release(free, pending):
+  """Gives back slot `pending` of the stream (deferred_release's slot a step ago; −1 for none)."""
+  @pl.when(pending >= 0)
+  def _():
+    plgpu.barrier_arrive(free.at[pending])
+
+
+def _releasing(weights, free, pending):
+  """weights(s) that first gives back the slot a step ago (`pending`, −1 for none): once S is in, the last step's
+  wgmmas, which came before it, are done."""
+  def after_release(s):
+    _release(free, pending)
+    return weights(s)
+  return after_release
+
+
+def _deferred_loop(loop, step, free, *shapes):
+  """A compute warpgroup's loop with deferred_release: loop(step, carry) with the accumulators (of `shapes`,
+  zero-initialised) as step's acc_refs across it and the slot still to release as its carry; the last slot released
+  once every wgmma is done. Returns the accumulators' values."""
+  def accumulate(*acc_refs):
+    pending = loop(functools.partial(step, acc_refs=acc_refs), jnp.int32(-1))
+    plgpu.wgmma_wait(0)
+    _release(free, pending)
+    return tuple(plgpu.wgmma_accumulator_load(ref) for ref in acc_refs)
+
+  return pl.run_scoped(accumulate, *(plgpu.ACC(shape) for shape in shapes))
+
+
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, sigma2, scale, slots, kv_len,
                group, has_segments, doc_ranges: bool = False, window=None, cap2=None, tanh: str = "approx",
                overlap: bool = False, deferred: bool = False):
@@ -252,13 +282,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, s
           _query_rows_weights, row0=row0, q_ids=q_ids, kseg_smem=kseg_smem, kseg_ready=kseg_ready, lse=lse,
           sigma2=sigma2, cap2=cap2, tanh=tanh, causal=causal, kv_len=kv_len, window=window)
 
-      def release_pending(pending):  # deferred: the slot a step ago, −1 for none
-        @pl.when(pending >= 0)
-        def _():
-          plgpu.barrier_arrive(free.at[pending])
-
-      def step(i, acc, masked: bool, dq_acc=None):
-        """KV block i; acc: dQ [64, D], or with dq_acc (deferred_release: dQ's accumulator ref) the slot still to
+      def step(i, acc, masked: bool, acc_refs=None):
+        """KV block i; acc: dQ [64, D], or with acc_refs (deferred_release: dQ's accumulator ref) the slot still to
         release."""
         slot = slot_of(i)
         plgpu.barrier_wait(k_ready.at[slot])
@@ -268,10 +293,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, s
           return 1
 
         weights = functools.partial(row_weights, slot=slot, kv_block=i, masked=masked)
-        if dq_acc is not None:
-          def weights(s, weights=weights):  # S is in, so the last step's dQ wgmma is done: its slot goes back
-            release_pending(acc)
-            return weights(s)
+        if acc_refs is not None:
+          weights = _releasing(weights, free, acc)
 
         def issue_dp(acc_ref):
           plgpu.wgmma(acc_ref, do_smem.at[wg], v_smem.at[slot].T)
@@ -280,8 +303,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, s
         (p, dtanh), dp = _weights_and_dp(issue_s, issue_dp, weights, overlap=overlap,
                                          wait_dp=lambda: plgpu.barrier_wait(v_ready.at[slot]))
         ds = _scores_grad(p, dtanh, rows_of(delta), dp)
-        if dq_acc is not None:  # not waited for: the next step's S releases this slot
-          plgpu.wgmma(dq_acc, ds.astype(dtype), k_smem.at[slot])
+        if acc_refs is not None:  # not waited for: the next step's S releases this slot
+          plgpu.wgmma(acc_refs[0], ds.astype(dtype), k_smem.at[slot])
           return slot
 
         def dq_update(acc_ref):
@@ -297,7 +320,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, s
           plgpu.barrier_wait(barrier.at[slot])
         plgpu.barrier_arrive(free.at[slot])
 
-      def steps(acc, step=step):
+      def steps(step, acc):
         if window is not None:
           acc = int32_loop(first, lead, functools.partial(step, masked=True), acc)
         acc = int32_loop(lead, full, functools.partial(step, masked=False), acc)
@@ -305,16 +328,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, s
           acc = int32_loop(full, total, functools.partial(step, masked=True), acc)
         return acc
 
-      if deferred:  # dQ in a zero-initialised accumulator across the loop; the last slot released once it is done
-        def accumulate(dq_acc):
-          pending = steps(jnp.int32(-1), step=functools.partial(step, dq_acc=dq_acc))
-          plgpu.wgmma_wait(0)
-          release_pending(pending)
-          return plgpu.wgmma_accumulator_load(dq_acc)
-
-        acc = pl.run_scoped(accumulate, plgpu.ACC((ROWS, head_dim)))
+      if deferred:
+        (acc,) = _deferred_loop(steps, step, free, (ROWS, head_dim))
       else:
-        acc = steps(plgpu.layout_cast(jnp.zeros((ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA))
+        acc = steps(step, plgpu.layout_cast(jnp.zeros((ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA))
       if causal and window is None:
         int32_loop(total, cta_blocks, release, None)
       q_smem.at[wg][...] = (acc * scale).astype(dtype)
@@ -421,11 +438,6 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
           _key_rows_weights, kv0=kv0, k_ids=k_ids, qseg_smem=qseg_smem, lse_smem=lse_smem, delta_smem=delta_smem,
           sigma2=sigma2, cap2=cap2, tanh=tanh, causal=causal, window=window)
 
-      def release_pending(pending):  # deferred: the slot a step ago, −1 for none
-        @pl.when(pending >= 0)
-        def _():
-          plgpu.barrier_arrive(free.at[pending])
-
       def step(j, carry, g, masked: bool, acc_refs=None):
         """q block j of group head g; the stream's step i counts from the CTA's first block. carry: (dk, dv), or
         with acc_refs (deferred_release: dK, dV accumulator refs) the slot still to release."""
@@ -443,12 +455,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
           return 1
 
         if acc_refs is not None:  # nothing waited for here: S's wait in the next step releases this slot
-          def weights_then_release(s):  # S is in, so the last step's dV and dK wgmmas are done
-            release_pending(carry)
-            return weights(s)
-
-          _dkv_update(*acc_refs, issue_s, issue_dp, weights_then_release, q_smem.at[slot], do_smem.at[slot],
-                      overlap=overlap)
+          _dkv_update(*acc_refs, issue_s, issue_dp, _releasing(weights, free, carry), q_smem.at[slot],
+                      do_smem.at[slot], overlap=overlap)
           return slot
         dk, dv = carry
         if overlap and not fused_dq:  # dV's wgmma too goes out before dP is waited for
@@ -499,18 +507,16 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
                              causal=causal, window=window, num_q_blocks=num_q_blocks)
 
       zeros = lambda width: plgpu.layout_cast(jnp.zeros((ROWS, width), jnp.float32), plgpu.Layout.WGMMA)
-      if deferred:  # zero-initialised accumulators (run_scoped's)
-        def accumulate(*acc_refs):  # each head's last slot released once its wgmmas are done (before the next's)
-          def deferred_head(g, _):
-            pending = head_loop(g, jnp.int32(-1), step=functools.partial(step, acc_refs=acc_refs))
+      if deferred:
+        def heads(step, pending):  # each head's last slot released once its wgmmas are done, before the next head's
+          def one_head(g, pending):  # release loop waits for blocks that slot would hold up
+            pending = head_loop(g, pending, step=step)
             plgpu.wgmma_wait(0)
-            release_pending(pending)
-            return None
+            _release(free, pending)
+            return jnp.int32(-1)
+          return int32_loop(0, group, one_head, pending)
 
-          int32_loop(0, group, deferred_head, None)
-          return tuple(plgpu.wgmma_accumulator_load(ref) for ref in acc_refs)
-
-        dk, dv = pl.run_scoped(accumulate, plgpu.ACC((ROWS, head_dim)), plgpu.ACC((ROWS, value_head_dim)))
+        dk, dv = _deferred_loop(heads, step, free, (ROWS, head_dim), (ROWS, value_head_dim))
       else:
         dk0 = zeros(head_dim)
         dk, dv = int32_loop(0, group, head_loop,
@@ -732,9 +738,6 @@ class Launches:
     if block_sizes.fused_dq and q.shape[-1] != v.shape[-1]:
       raise ValueError(f"fused_dq=True needs v's head dim equal to q's; got {q.shape[-1]} and {v.shape[-1]}: use "
                        "BlockSizes(fused_dq=False)")
-    if block_sizes.deferred_release and self.wide:
-      raise ValueError(f"deferred_release=True is built for head dims up to {MAX_HEAD_DIM}; got head_dim={q.shape[-1]} "
-                       "(pallas_mgpu_vjp_wide's kernels): use BlockSizes(deferred_release=False)")
     if block_sizes.split_dq and q.shape[-1] != 128:
       raise ValueError(f"split_dq=True needs head_dim 128 (halves of 64 columns, one swizzle tile); got "
                        f"head_dim={q.shape[-1]}: use BlockSizes(fused_dq=True) without split_dq")

@@ -26,8 +26,8 @@ for d, dv, hkv in ((128, 128, 2), (64, 64, 2), (256, 256, 4), (192, 128, 4)):
       tiles = [B(), B(fused_dq=True)]
     for t in tiles + [dataclasses.replace(t, overlap_matmuls=True) for t in tiles]:  # both step orders
       cases.append((d, dv, hkv, causal, packed, kw, t))
-    if d in (128, 192):  # the two kernels' slots released a step later, both orders (appended: earlier keys keep order)
-      late.extend((d, dv, hkv, causal, packed, kw, B(deferred_release=True, slots=3, overlap_matmuls=o))
+    if d != 64:  # the two kernels' slots released a step later, both orders (appended: earlier keys keep order)
+      late.extend((d, dv, hkv, causal, packed, kw, B(deferred_release=True, slots=3 if d < 256 else 2, overlap_matmuls=o))
                   for o in (False, True))
 cases += late
 out = {}
