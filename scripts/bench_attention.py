@@ -128,8 +128,7 @@ FEATURED = ("clis", "online", "clis_blocks", "clis_radius", "clis_cap", "clis_mg
             "cudnn", "clis_triton", "online_triton", "clis_mgpu",
             "online_mgpu", "clis_mgpu_triton_bwd", "online_mgpu_triton_bwd", "clis_exp2_tanh", "online_exp2_tanh",
             "online_heads1", "online_heads2", "online_heads4", "online_heads8", "tokamax_mosaic", "tokamax_triton",
-            "online_four_warps", "clis_mgpu_four_warps", "online_overlap_bwd", "online_deferred_bwd",
-            "online_deferred_overlap_bwd")
+            "online_four_warps", "clis_mgpu_four_warps", "online_overlap_bwd")
 
 
 SINKLESS = ("cudnn", "tokamax_mosaic", "tokamax_triton", "tokamax_k_start", "splash")  # entry points with no sinks
@@ -217,17 +216,6 @@ def _overlap_bwd(q, k, v, seg, causal, stabilizer, **kw):
                    backward_block_sizes=dataclasses.replace(tiles, overlap_matmuls=True), **kw)
 
 
-def _deferred_bwd(q, k, v, seg, causal, stabilizer, overlap: bool, **kw):
-  """The default forward with the Mosaic GPU backward's two kernels and BlockSizes(deferred_release=True, slots=3; 2
-  at head dim 256, where three do not fit):
-  the dK/dV kernel's slots released a step later (dK, dV accumulating in wgmma registers across its loop); overlap
-  sets overlap_matmuls (whatever the default would)."""
-  tiles = pallas_mgpu_vjp.default_block_sizes(q.shape[-1], q.shape[1], q.dtype)
-  tiles = dataclasses.replace(tiles, fused_dq=False, deferred_release=True, slots=3 if q.shape[-1] < 256 else 2,
-                              overlap_matmuls=overlap)
-  return attention(q, k, v, seg, causal=causal, stabilizer=stabilizer, backward_block_sizes=tiles, **kw)
-
-
 def _rounded_lse(q, k, v, seg, causal, stabilizer):
   """The Mosaic GPU forward saving lse from the rounded weights' sum (BlockSizes(exact_lse=False)), as before the
   unrounded second sum."""
@@ -294,8 +282,6 @@ def implementations(names, platform, quick):
     table["clis_mgpu_cap"] = functools.partial(_named, stabilizer="clis", implementation="pallas_mgpu", bound="cap")
     table["clis_cap_tc_sum"] = _cap_tc_sum
     table["online_overlap_bwd"] = functools.partial(_overlap_bwd, stabilizer="online")
-    table["online_deferred_bwd"] = functools.partial(_deferred_bwd, stabilizer="online", overlap=False)
-    table["online_deferred_overlap_bwd"] = functools.partial(_deferred_bwd, stabilizer="online", overlap=True)
     table["online_four_warps"] = functools.partial(_four_warps, stabilizer="online")
     table["clis_mgpu_four_warps"] = functools.partial(_four_warps, stabilizer="clis")
     for heads in (1, 2, 4, 8):

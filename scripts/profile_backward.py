@@ -22,11 +22,10 @@ from clis_kernels import masks, pallas_mgpu_vjp, plan as plan_lib
 from clis_train import benchmarking
 
 
-def _case(b, s, hq, hkv, d, causal, packed, fused, seed=0, dv=None, softcap=None, overlap=False, deferred=False):
+def _case(b, s, hq, hkv, d, causal, packed, fused, seed=0, dv=None, softcap=None, overlap=False):
   """{part: zero-argument callable} for one shape, the forward's o and lse made once beforehand; the backward and its
   kernels at the library's default tiles (fused or not as asked). With overlap, the kernels in the default step order
-  (overlap_matmuls=False) and the overlapped one (parts named *_overlap). With deferred (two kernels), each order's
-  kernels also with three slots (*_slots3) and with deferred_release at three slots (*_deferred3)."""
+  (overlap_matmuls=False) and the overlapped one (parts named *_overlap)."""
   dv = d if dv is None else dv
   kq, kk, kv, kd, kc = jax.random.split(jax.random.PRNGKey(seed), 5)
   q = jax.random.normal(kq, (b, s, hq, d), jnp.bfloat16)
@@ -62,11 +61,6 @@ def _case(b, s, hq, hkv, d, causal, packed, fused, seed=0, dv=None, softcap=None
     else:
       parts["dq_kernel" + suffix] = jax.jit(lambda *a, t=order: launches(*a, bs=t).dq())
       parts["dkv_kernel" + suffix] = jax.jit(lambda *a, t=order: launches(*a, bs=t).dkv())
-      if deferred:
-        for name, changes in (("_slots3", dict(slots=3)), ("_deferred3", dict(slots=3, deferred_release=True))):
-          t = dataclasses.replace(order, **changes)
-          parts["dq_kernel" + suffix + name] = jax.jit(lambda *a, t=t: launches(*a, bs=t).dq())
-          parts["dkv_kernel" + suffix + name] = jax.jit(lambda *a, t=t: launches(*a, bs=t).dkv())
   fns = {name: functools.partial(f, *args) for name, f in parts.items()}
   if not packed and softcap is None:  # cuDNN's backward alone (tokamax's where cuDNN takes no such v), from its own
     # forward's residuals
@@ -85,7 +79,7 @@ def _case(b, s, hq, hkv, d, causal, packed, fused, seed=0, dv=None, softcap=None
 def work_dims(name: str, d: int, dv: int) -> int | None:
   """The head dims a part's matmuls sum to (each matmul is 2·B·Hq·S² times its dim, half when causal)."""
   return {"delta_and_args": None, "dq_kernel": 2 * d + dv, "dkv_kernel": 2 * d + 2 * dv}.get(
-      name.split("_overlap")[0].split("_slots")[0].split("_deferred")[0], 3 * d + 2 * dv)
+      name.removesuffix("_overlap"), 3 * d + 2 * dv)
 
 
 def main():
@@ -100,8 +94,6 @@ def main():
   parser.add_argument("--softcap", type=float, default=None, help="logits soft cap c (no cuDNN comparison)")
   parser.add_argument("--overlap", action="store_true",
                       help="also time each kernel with BlockSizes(overlap_matmuls=True), interleaved")
-  parser.add_argument("--deferred", action="store_true",
-                      help="also time both kernels with three slots and with BlockSizes(deferred_release=True)")
   parser.add_argument("--repeats", type=int, default=9)
   parser.add_argument("--inner", type=int, default=3)
   parser.add_argument("--out", default=None)
@@ -112,8 +104,7 @@ def main():
   meta, records = benchmarking.device_meta(), []
   for s in args.seq_lens:
     b = max(1, args.tokens // s)
-    fns = _case(b, s, hq, hkv, d, causal, args.packed, args.fused, dv=dv, softcap=args.softcap, overlap=args.overlap,
-                deferred=args.deferred)
+    fns = _case(b, s, hq, hkv, d, causal, args.packed, args.fused, dv=dv, softcap=args.softcap, overlap=args.overlap)
     timings = benchmarking.interleaved_medians(fns, repeats=args.repeats, inner=args.inner)
     per_dim = 2 * b * hq * s * s * (0.5 if causal else 1.0)  # one matmul's FLOPs per unit of head dim
     case = (f"bwd_parts_{'causal' if causal else 'bidir'}{'_packed' if args.packed else ''}_H{hq}-{hkv}_D{d}"

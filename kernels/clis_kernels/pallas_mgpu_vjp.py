@@ -59,13 +59,7 @@ class BlockSizes:
   overlap_matmuls: each step issues dP's wgmma right behind S's and waits only for S before forming P, so the
   tensor cores run dP while the warpgroup computes P (FlashAttention-3's order); the dK/dV kernels also issue dV's
   wgmma before waiting for dP. The same arithmetic in another order (bit-identical gradients); it holds dP's
-  accumulator (32 registers a thread) through P. default_block_sizes says where it is on.
-  deferred_release (the two kernels, wide ones included: there their scores warpgroup): dQ, or dK and dV, accumulate
-  in wgmma registers across the whole loop and a step never waits for its own last wgmmas (dQ's; dV's and dK's); it
-  releases its streamed block's
-  slot in the next step, once that step's S is in (wgmma groups complete in order, so S done means the last step's
-  are done). The tensor cores then run one step's last matmul into the next step's S. A block stays held about one
-  step longer, so it wants slots ≥ 3. Bit-identical gradients."""
+  accumulator (32 registers a thread) through P. default_block_sizes says where it is on."""
 
   slots: int = 2
   fused_dq: bool = False
@@ -73,7 +67,6 @@ class BlockSizes:
   split_dq: bool = False
   soft_cap_tanh: str = "approx"
   overlap_matmuls: bool = False
-  deferred_release: bool = False
 
   def __post_init__(self):
     if self.soft_cap_tanh not in TANHS:
@@ -82,8 +75,6 @@ class BlockSizes:
       raise ValueError(f"{self.slots=} must be at least 2 (one block computing while the next loads)")
     if self.split_dq and not self.fused_dq:
       raise ValueError("split_dq=True splits the fused backward's dQ: it needs fused_dq=True")
-    if self.deferred_release and self.fused_dq:
-      raise ValueError("deferred_release=True defers the two-kernel dK/dV's waits: it needs fused_dq=False")
 
   @property
   def multiple(self) -> int:
@@ -188,38 +179,9 @@ def _query_rows_weights(s, *, slot, row0, kv_block, q_ids, kseg_smem, kseg_ready
   return jnp.exp2(s * logit_scale - (lse if lse.ndim == 2 else lax.broadcast_in_dim(lse, s.shape, [0]))), dtanh
 
 
-def _release(free, pending):
-  """Gives back slot `pending` of the stream (deferred_release's slot a step ago; −1 for none)."""
-  @pl.when(pending >= 0)
-  def _():
-    plgpu.barrier_arrive(free.at[pending])
-
-
-def _releasing(weights, free, pending):
-  """weights(s) that first gives back the slot a step ago (`pending`, −1 for none): once S is in, the last step's
-  wgmmas, which came before it, are done."""
-  def after_release(s):
-    _release(free, pending)
-    return weights(s)
-  return after_release
-
-
-def _deferred_loop(loop, step, free, *shapes):
-  """A compute warpgroup's loop with deferred_release: loop(step, carry) with the accumulators (of `shapes`,
-  zero-initialised) as step's acc_refs across it and the slot still to release as its carry; the last slot released
-  once every wgmma is done. Returns the accumulators' values."""
-  def accumulate(*acc_refs):
-    pending = loop(functools.partial(step, acc_refs=acc_refs), jnp.int32(-1))
-    plgpu.wgmma_wait(0)
-    _release(free, pending)
-    return tuple(plgpu.wgmma_accumulator_load(ref) for ref in acc_refs)
-
-  return pl.run_scoped(accumulate, *(plgpu.ACC(shape) for shape in shapes))
-
-
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, sigma2, scale, slots, kv_len,
                group, has_segments, doc_ranges: bool = False, window=None, cap2=None, tanh: str = "approx",
-               overlap: bool = False, deferred: bool = False):
+               overlap: bool = False):
   qseg_ref = kseg_ref = range_ref = None
   if has_segments:
     (qseg_ref, kseg_ref), refs = refs[:2], refs[2:]
@@ -282,9 +244,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, s
           _query_rows_weights, row0=row0, q_ids=q_ids, kseg_smem=kseg_smem, kseg_ready=kseg_ready, lse=lse,
           sigma2=sigma2, cap2=cap2, tanh=tanh, causal=causal, kv_len=kv_len, window=window)
 
-      def step(i, acc, masked: bool, acc_refs=None):
-        """KV block i; acc: dQ [64, D], or with acc_refs (deferred_release: dQ's accumulator ref) the slot still to
-        release."""
+      def step(i, acc, masked: bool):
         slot = slot_of(i)
         plgpu.barrier_wait(k_ready.at[slot])
 
@@ -293,8 +253,6 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, s
           return 1
 
         weights = functools.partial(row_weights, slot=slot, kv_block=i, masked=masked)
-        if acc_refs is not None:
-          weights = _releasing(weights, free, acc)
 
         def issue_dp(acc_ref):
           plgpu.wgmma(acc_ref, do_smem.at[wg], v_smem.at[slot].T)
@@ -303,9 +261,6 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, s
         (p, dtanh), dp = _weights_and_dp(issue_s, issue_dp, weights, overlap=overlap,
                                          wait_dp=lambda: plgpu.barrier_wait(v_ready.at[slot]))
         ds = _scores_grad(p, dtanh, rows_of(delta), dp)
-        if acc_refs is not None:  # not waited for: the next step's S releases this slot
-          plgpu.wgmma(acc_refs[0], ds.astype(dtype), k_smem.at[slot])
-          return slot
 
         def dq_update(acc_ref):
           plgpu.wgmma(acc_ref, ds.astype(dtype), k_smem.at[slot])
@@ -320,18 +275,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, s
           plgpu.barrier_wait(barrier.at[slot])
         plgpu.barrier_arrive(free.at[slot])
 
-      def steps(step, acc):
-        if window is not None:
-          acc = int32_loop(first, lead, functools.partial(step, masked=True), acc)
-        acc = int32_loop(lead, full, functools.partial(step, masked=False), acc)
-        if causal or kv_len is not None or window is not None:
-          acc = int32_loop(full, total, functools.partial(step, masked=True), acc)
-        return acc
-
-      if deferred:
-        (acc,) = _deferred_loop(steps, step, free, (ROWS, head_dim))
-      else:
-        acc = steps(step, plgpu.layout_cast(jnp.zeros((ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA))
+      acc = plgpu.layout_cast(jnp.zeros((ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+      if window is not None:
+        acc = int32_loop(first, lead, functools.partial(step, masked=True), acc)
+      acc = int32_loop(lead, full, functools.partial(step, masked=False), acc)
+      if causal or kv_len is not None or window is not None:
+        acc = int32_loop(full, total, functools.partial(step, masked=True), acc)
       if causal and window is None:
         int32_loop(total, cta_blocks, release, None)
       q_smem.at[wg][...] = (acc * scale).astype(dtype)
@@ -378,7 +327,7 @@ def _q_blocks(kv0, rows, *, causal: bool, num_q_blocks: int):
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, sigma2, scale, slots, group,
                 has_segments, fused_dq: bool = False, split_dq: bool = False, doc_ranges: bool = False, window=None,
-                cap2=None, tanh: str = "approx", overlap: bool = False, deferred: bool = False):
+                cap2=None, tanh: str = "approx", overlap: bool = False):
   qseg_ref = kseg_ref = dq_ref = range_ref = None
   if has_segments:
     (qseg_ref, kseg_ref), refs = refs[:2], refs[2:]
@@ -438,9 +387,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
           _key_rows_weights, kv0=kv0, k_ids=k_ids, qseg_smem=qseg_smem, lse_smem=lse_smem, delta_smem=delta_smem,
           sigma2=sigma2, cap2=cap2, tanh=tanh, causal=causal, window=window)
 
-      def step(j, carry, g, masked: bool, acc_refs=None):
-        """q block j of group head g; the stream's step i counts from the CTA's first block. carry: (dk, dv), or
-        with acc_refs (deferred_release: dK, dV accumulator refs) the slot still to release."""
+      def step(j, carry, g, masked: bool):
+        """q block j of group head g; the stream's step i counts from the CTA's first block."""
+        dk, dv = carry
         slot = lax.rem(g * per_head + j - cta_first, jnp.int32(slots))
         wait_block(slot)
 
@@ -454,14 +403,17 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
           plgpu.wgmma(acc_ref, v_smem.at[wg], do_smem.at[slot].T)
           return 1
 
-        if acc_refs is not None:  # nothing waited for here: S's wait in the next step releases this slot
-          _dkv_update(*acc_refs, issue_s, issue_dp, _releasing(weights, free, carry), q_smem.at[slot],
-                      do_smem.at[slot], overlap=overlap)
-          return slot
-        dk, dv = carry
         if overlap and not fused_dq:  # dV's wgmma too goes out before dP is waited for
-          overlapped = lambda refs: _dkv_update(*refs, issue_s, issue_dp, weights, q_smem.at[slot], do_smem.at[slot],
-                                                overlap=True)
+          def overlapped(refs):
+            dk_ref_, dv_ref_ = refs
+
+            def issue_dv(w):
+              plgpu.wgmma(dv_ref_, w[0].astype(dtype), do_smem.at[slot])
+              return 1
+
+            w, dp = _weights_and_dp(issue_s, issue_dp, weights, overlap=True, after_weights=issue_dv)
+            plgpu.wgmma(dk_ref_, _scores_grad(*w, dp).astype(dtype), q_smem.at[slot])
+
           dk, dv = pl.run_state(overlapped)((plgpu.ACC.init(dk), plgpu.ACC.init(dv)))
           plgpu.barrier_arrive(free.at[slot])
           return dk, dv
@@ -497,7 +449,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
         wait_block(slot)
         plgpu.barrier_arrive(free.at[slot])
 
-      def head_loop(g, carry, step=step):
+      def head_loop(g, carry):
         if causal and window is None and not split_dq:  # from this warpgroup's own diagonal; blocks above released
           int32_loop(cta_first, first, functools.partial(release, g=g), None)
           carry = int32_loop(first, first_full, functools.partial(step, g=g, masked=True), carry)
@@ -507,20 +459,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
                              causal=causal, window=window, num_q_blocks=num_q_blocks)
 
       zeros = lambda width: plgpu.layout_cast(jnp.zeros((ROWS, width), jnp.float32), plgpu.Layout.WGMMA)
-      if deferred:
-        def heads(step, pending):  # each head's last slot released once its wgmmas are done, before the next head's
-          def one_head(g, pending):  # release loop waits for blocks that slot would hold up
-            pending = head_loop(g, pending, step=step)
-            plgpu.wgmma_wait(0)
-            _release(free, pending)
-            return jnp.int32(-1)
-          return int32_loop(0, group, one_head, pending)
-
-        dk, dv = _deferred_loop(heads, step, free, (ROWS, head_dim), (ROWS, value_head_dim))
-      else:
-        dk0 = zeros(head_dim)
-        dk, dv = int32_loop(0, group, head_loop,
-                            (dk0, dk0 if value_head_dim == head_dim else zeros(value_head_dim)))
+      dk0 = zeros(head_dim)
+      dk, dv = int32_loop(0, group, head_loop, (dk0, dk0 if value_head_dim == head_dim else zeros(value_head_dim)))
       if split_dq:  # the other warpgroup's last dQ wgmma reads this one's K: dK may take its bytes only after
         plgpu.barrier_arrive(keys_read.at[0])
         plgpu.barrier_wait(keys_read.at[0])
@@ -545,24 +485,6 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
 
   pl.run_scoped(body, *_dkv_scratch(dtype, head_dim, value_head_dim, slots, has_segments, fused_dq, split_dq),
                 *(range_scratch() if doc_ranges else ()), collective_axes="wg")
-
-
-def _dkv_update(dk_ref, dv_ref, issue_s, issue_dp, weights, q_block, do_block, *, overlap: bool):
-  """One two-kernel dK/dV step into accumulator refs dK, dV [64 keys, D], issued and not waited for: weights(Sᵀ) =
-  (Pᵀ, the cap's derivative, Δ), dPᵀ, then dV += Pᵀ·dO and dK += dSᵀ·Q (with overlap, dV's wgmma goes out before dP
-  is waited for)."""
-  dtype = do_block.dtype
-
-  def issue_dv(w):
-    plgpu.wgmma(dv_ref, w[0].astype(dtype), do_block)
-    return 1
-
-  if overlap:
-    w, dp = _weights_and_dp(issue_s, issue_dp, weights, overlap=True, after_weights=issue_dv)
-  else:
-    w, dp = _weights_and_dp(issue_s, issue_dp, weights, overlap=False)
-    issue_dv(w)
-  plgpu.wgmma(dk_ref, _scores_grad(*w, dp).astype(dtype), q_block)
 
 
 def _walk_q_blocks(step, carry, g, *, kv0, first, first_full, end, causal: bool, window, num_q_blocks: int):
@@ -751,7 +673,6 @@ class Launches:
                        window=None if window is None else tuple(int(w) for w in window),
                        cap2=None if softcap is None else float(softcap) * LOG2E, tanh=block_sizes.soft_cap_tanh,
                        overlap=block_sizes.overlap_matmuls)
-    self.deferred = block_sizes.deferred_release
     self.dq_args, self.dkv_args = args, args
     cta_rows = ROWS if self.wide else COMPUTE_WARPGROUPS * ROWS  # the wide kernels' warpgroups share their rows
     if doc_ranges:
@@ -786,8 +707,6 @@ class Launches:
     """dq from the dQ kernel (rows = queries)."""
     q = self.q
     kernel, _, common = self._kernels()
-    if self.deferred:
-      common = dict(common, deferred=True)
     return self._launch(functools.partial(kernel, kv_len=self.kv_len, **common),
                         out_struct(q.shape, q.dtype, q), self.dq_grid, ("heads", "q_tiles", "batch"))(*self.dq_args)
 
@@ -795,8 +714,6 @@ class Launches:
     """(dk, dv) from the dK/dV kernel (rows = keys)."""
     k, v = self.k, self.v
     _, kernel, common = self._kernels()
-    if self.deferred:
-      common = dict(common, deferred=True)
     return self._launch(functools.partial(kernel, **common),
                         (out_struct(k.shape, k.dtype, k), out_struct(v.shape, v.dtype, v)), self.dkv_grid,
                         ("heads", "kv_tiles", "batch"))(*self.dkv_args)

@@ -28,9 +28,8 @@ from clis_kernels import masks
 from clis_kernels.common import int32_loop
 from clis_kernels.mgpu_pipeline import (COMPUTE_WARPGROUPS, finish_stores, kv_blocks, range_scratch, read_range_entry,
                                         stream_kv, swizzled)
-from clis_kernels.pallas_mgpu_vjp import (ROW, ROWS, _deferred_loop, _key_rows_weights, _q_blocks,
-                                         _query_rows_weights, _releasing, _scores_grad, _stream_query_blocks,
-                                         _walk_q_blocks, _weights_and_dp)
+from clis_kernels.pallas_mgpu_vjp import (ROW, ROWS, _key_rows_weights, _q_blocks, _query_rows_weights,
+                                         _scores_grad, _stream_query_blocks, _walk_q_blocks, _weights_and_dp)
 
 SCORES, HELPER = 0, 1  # the compute warpgroups' roles
 HEAD_DIMS = (256,)  # the head dims these kernels take (q·k and v equal); each half is two 64-column swizzle tiles
@@ -48,7 +47,7 @@ def _hand_over(p_smem, ds_smem, p_low, ds_low, handed, taken):
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, sigma2, scale, slots, group,
                 has_segments, doc_ranges: bool = False, window=None, cap2=None, tanh: str = "approx",
-                overlap: bool = False, deferred: bool = False):
+                overlap: bool = False):
   qseg_ref = kseg_ref = range_ref = None
   if has_segments:
     (qseg_ref, kseg_ref), refs = refs[:2], refs[2:]
@@ -122,9 +121,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
           _key_rows_weights, kv0=kv0, k_ids=k_ids, qseg_smem=qseg_smem, lse_smem=lse_smem, delta_smem=delta_smem,
           sigma2=sigma2, cap2=cap2, tanh=tanh, causal=causal, window=window)
 
-      def step(j, carry, g, masked: bool, acc_refs=None):
-        """carry: (dk, dv) halves, or with acc_refs (deferred_release: their accumulator refs) the slot still to
-        release."""
+      def step(j, carry, g, masked: bool):
+        dk, dv = carry
         slot = slot_of(g, j)
         wait_block(slot, scores=True)
 
@@ -134,8 +132,6 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
           return 2
 
         weights = functools.partial(key_weights, slot=slot, q_block=j, masked=masked)
-        if acc_refs is not None:
-          weights = _releasing(weights, free, carry)
 
         def issue_dp(acc_ref):  # dPᵀ = V·dOᵀ
           for h in range(2):
@@ -160,10 +156,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
             _hand_over(p_smem, ds_smem, p_low, ds_low, handed, taken)
             plgpu.wgmma(dk_ref_, ds_low, q_smem.at[slot, :, columns])
 
-          if acc_refs is not None:  # not waited for: the next step's S releases this slot
-            overlapped(acc_refs)
-            return slot
-          dk, dv = pl.run_state(overlapped)((plgpu.ACC.init(carry[0]), plgpu.ACC.init(carry[1])))
+          dk, dv = pl.run_state(overlapped)((plgpu.ACC.init(dk), plgpu.ACC.init(dv)))
           plgpu.barrier_arrive(free.at[slot])
           return dk, dv
         (p, dtanh, delta), dp = _weights_and_dp(issue_s, issue_dp, weights, overlap=False)
@@ -176,17 +169,11 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
           plgpu.wgmma(dv_ref_, p_low, do_smem.at[slot, :, value_columns])
           plgpu.wgmma(dk_ref_, ds_low, q_smem.at[slot, :, columns])
 
-        if acc_refs is not None:
-          update(acc_refs)
-          return slot
-        dk, dv = pl.run_state(update)((plgpu.ACC.init(carry[0]), plgpu.ACC.init(carry[1])))
+        dk, dv = pl.run_state(update)((plgpu.ACC.init(dk), plgpu.ACC.init(dv)))
         plgpu.barrier_arrive(free.at[slot])
         return dk, dv
 
-      if deferred:
-        dk, dv = _deferred_loop(loop, step, free, (ROWS, half), (ROWS, value_half))
-      else:
-        dk, dv = loop(step, (zeros(half), zeros(value_half)))
+      dk, dv = loop(step, (zeros(half), zeros(value_half)))
       plgpu.barrier_arrive(kv_read)  # K and V are read for the last time: HELPER may write its halves over them
       write_out(dk, dv, 0)
 
@@ -253,7 +240,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, sigma2, scale, slots, kv_len,
                group, has_segments, doc_ranges: bool = False, window=None, cap2=None, tanh: str = "approx",
-               overlap: bool = False, deferred: bool = False):
+               overlap: bool = False):
   qseg_ref = kseg_ref = range_ref = None
   if has_segments:
     (qseg_ref, kseg_ref), refs = refs[:2], refs[2:]
@@ -330,9 +317,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, s
           _query_rows_weights, row0=row0, q_ids=q_ids, kseg_smem=kseg_smem, kseg_ready=kseg_ready, lse=lse,
           sigma2=sigma2, cap2=cap2, tanh=tanh, causal=causal, kv_len=kv_len, window=window)
 
-      def step(i, dq, masked: bool, acc_refs=None):
-        """dq: this warpgroup's half, or with acc_refs (deferred_release: its accumulator ref) the slot still to
-        release."""
+      def step(i, dq, masked: bool):
         slot = slot_of(i)
         plgpu.barrier_wait(k_ready.at[slot])
 
@@ -342,8 +327,6 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, s
           return 2
 
         weights = functools.partial(row_weights, slot=slot, kv_block=i, masked=masked)
-        if acc_refs is not None:
-          weights = _releasing(weights, free, dq)
 
         def issue_dp(acc_ref):
           plgpu.wgmma(acc_ref, do_smem, v_smem.at[slot].T)
@@ -357,17 +340,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, s
         def update(acc_ref):
           plgpu.wgmma(acc_ref, ds_low, k_smem.at[slot, :, columns])
 
-        if acc_refs is not None:  # not waited for: the next step's S releases this slot
-          update(*acc_refs)
-          return slot
         dq = pl.run_state(update)(plgpu.ACC.init(dq))
         plgpu.barrier_arrive(free.at[slot])
         return dq
 
-      if deferred:
-        (dq,) = _deferred_loop(loop, step, free, (ROWS, half))
-      else:
-        dq = loop(step, zeros)
+      dq = loop(step, zeros)
       plgpu.barrier_arrive(q_read)  # Q is read for the last time: HELPER may write its half over it
       write_out(dq, 0)
 

@@ -1,6 +1,6 @@
 """Hashes of the Mosaic GPU backward's jaxprs (kernel bodies included, source locations not) over head dims 64 / 128 /
 256 / MLA's 192-128, causal, bidirectional packed, causal packed, cap + window, and each backward choice in both step
-orders (BlockSizes.overlap_matmuls off, then on), then the two kernels with deferred_release: run before and after a refactor that must change nothing traced,
+orders (BlockSizes.overlap_matmuls off, then on): run before and after a refactor that must change nothing traced,
 and compare the two files (the lowered text cannot serve: the serialized kernels carry source line numbers).
 
   PYTHONPATH=kernels:. python3 notes/experiments/backward_jaxpr_hashes.py /tmp/before.json
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from clis_kernels import SegmentIds, pallas_mgpu_vjp
 B = pallas_mgpu_vjp.BlockSizes
-cases, late = [], []
+cases = []
 for d, dv, hkv in ((128, 128, 2), (64, 64, 2), (256, 256, 4), (192, 128, 4)):
   for causal, packed, kw in ((True, False, {}), (False, True, {}), (True, True, {}),
                              (True, False, dict(softcap=30.0, window=(100, 0)))):
@@ -26,10 +26,6 @@ for d, dv, hkv in ((128, 128, 2), (64, 64, 2), (256, 256, 4), (192, 128, 4)):
       tiles = [B(), B(fused_dq=True)]
     for t in tiles + [dataclasses.replace(t, overlap_matmuls=True) for t in tiles]:  # both step orders
       cases.append((d, dv, hkv, causal, packed, kw, t))
-    if d != 64:  # the two kernels' slots released a step later, both orders (appended: earlier keys keep order)
-      late.extend((d, dv, hkv, causal, packed, kw, B(deferred_release=True, slots=3 if d < 256 else 2, overlap_matmuls=o))
-                  for o in (False, True))
-cases += late
 out = {}
 for d, dv, hkv, causal, packed, kw, t in cases:
   q = jax.ShapeDtypeStruct((1, 512, 8, d), jnp.bfloat16); k = jax.ShapeDtypeStruct((1, 512, hkv, d), jnp.bfloat16)

@@ -1,6 +1,6 @@
 """ptxas's register and spill report for each Mosaic GPU backward kernel, with and without
-BlockSizes(overlap_matmuls=True) (and for the two kernels, BlockSizes(deferred_release=True, slots=3)): does holding
-dP's accumulator through P spill, and does ptxas serialize the wgmmas (its "wgmma ... serialized" warning)? (issue 36)
+BlockSizes(overlap_matmuls=True): does holding dP's accumulator through P spill, and does ptxas serialize the wgmmas
+(its "wgmma ... serialized" warning)? (issue 36)
 
 Each (kernel, overlap) pair is compiled in a process of its own with Mosaic GPU's dump switches on
 (MOSAIC_GPU_DUMP_TO, MOSAIC_GPU_DUMP_PTXAS), so every dump directory holds one kernel's report.
@@ -29,8 +29,7 @@ def one(args):
   v = jax.random.normal(key, (1, args.seq, hkv, dv), jnp.bfloat16)
   do = jax.random.normal(key, (1, args.seq, hq, dv), jnp.bfloat16)
   lse = jnp.zeros((1, hq, args.seq), jnp.float32)
-  tiles = pallas_mgpu_vjp.BlockSizes(fused_dq=args.kernel == "fused", overlap_matmuls=args.overlap,
-                                     deferred_release=args.deferred, slots=3 if args.deferred else 2)
+  tiles = pallas_mgpu_vjp.BlockSizes(fused_dq=args.kernel == "fused", overlap_matmuls=args.overlap)
   launch = lambda q, k, v, do, lse: pallas_mgpu_vjp.Launches(q, k, v, None, do, lse, do, causal=True, scale=d ** -0.5,
                                                             kv_len=None, block_sizes=tiles, softcap=args.softcap)
   run = {"dq": lambda *a: launch(*a).dq(), "dkv": lambda *a: launch(*a).dkv(), "fused": lambda *a: launch(*a).fused()}
@@ -48,21 +47,19 @@ def main():
   parser.add_argument("--out", default=None)
   parser.add_argument("--kernel", help=argparse.SUPPRESS)
   parser.add_argument("--overlap", action="store_true", help=argparse.SUPPRESS)
-  parser.add_argument("--deferred", action="store_true", help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.kernel:
     return one(args)
   report = {}
   for kernel in args.kernels:
-    variants = [(overlap, deferred) for deferred in (False, True) for overlap in (False, True)
-                if kernel != "fused" or not deferred]
-    for overlap, deferred in variants:
-      name = f"{kernel}{'_overlap' if overlap else ''}{'_deferred' if deferred else ''}"
+    for overlap in (False, True):
+      name = f"{kernel}{'_overlap' if overlap else ''}"
       dump = pathlib.Path(args.dump_dir) / name
       dump.mkdir(parents=True, exist_ok=True)
       env = dict(os.environ, MOSAIC_GPU_DUMP_TO=str(dump), MOSAIC_GPU_DUMP_PTXAS="1")
-      cmd = [sys.executable, __file__, "--kernel", kernel, "--seq", str(args.seq), "--heads", *map(str, args.heads)]
-      cmd += ["--overlap"] * overlap + ["--deferred"] * deferred + ([] if args.softcap is None else ["--softcap", str(args.softcap)])
+      cmd = [sys.executable, __file__, "--kernel", kernel, "--seq", str(args.seq), "--heads", *map(str, args.heads),
+             "--dump-dir", str(dump)]
+      cmd += ["--overlap"] * overlap + ([] if args.softcap is None else ["--softcap", str(args.softcap)])
       cmd += [] if args.value_dim is None else ["--value-dim", str(args.value_dim)]
       # ptxas's verbose report may land in a dump file or on the child's stderr: search both.
       child = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)

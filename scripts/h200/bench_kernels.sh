@@ -40,10 +40,6 @@
 #   overlap [more]     the backward's BlockSizes(overlap_matmuls) against the default order: GPU tests (bit-identical
 #                      gradients), then bwd and fwd+bwd at D 128 (GQA 32/8) and D 256 (GQA 16/8), causal 8k and 32k,
 #                      with cuDNN; with "more", gpt-oss's D 64 (GQA 64/8), MLA 192/128 (tokamax), window 4096 and cap 50
-#   deferred [more|mla]  the backward's BlockSizes(deferred_release=True, slots=3; 2 at D 256): GPU tests (bit-identical
-#                      gradients), ptxas's registers, spills and wgmma serialization, each kernel timed (8k, 32k); with
-#                      "more", bwd and fwd+bwd at D 128 (GQA 32/8) and D 256 (16/8) against the default, the overlap and
-#                      cuDNN; with "mla", MLA 192/128 against tokamax
 #   context_parallel [N]  context-parallel attention over N GPUs (default 1: the machinery's cost on one) against
 #                      one GPU, CLiS combine against an online ring: causal 32k GQA 32/8 D 128, sinks
 case "$1" in
@@ -181,26 +177,6 @@ case "$1" in
           --impls online online_overlap_bwd cudnn "${common[@]}" --out "$OUT/overlap_d128.json"
       TAIL=10 step overlap_d256 150 python3 scripts/bench_attention.py --suite llm --llm-heads 16 8 256 \
           --seq-lens 8192 32768 --impls online online_overlap_bwd cudnn "${common[@]}" --out "$OUT/overlap_d256.json"
-    fi ;;
-  deferred)
-    common=(--tokens 32768 --causal yes --packed no --inputs sinks_many --passes bwd fwd_bwd --repeats 7 --inner 3)
-    impls=(online online_overlap_bwd online_deferred_bwd online_deferred_overlap_bwd)
-    if [ "$2" = more ]; then
-      TAIL=14 step deferred_d128 260 python3 scripts/bench_attention.py --suite llm --seq-lens 8192 32768 \
-          --impls "${impls[@]}" cudnn "${common[@]}" --out "$OUT/deferred_d128.json"
-      TAIL=14 step deferred_d256 230 python3 scripts/bench_attention.py --suite llm --llm-heads 16 8 256 \
-          --seq-lens 8192 32768 --impls "${impls[@]}" cudnn "${common[@]}" --out "$OUT/deferred_d256.json"
-    elif [ "$2" = mla ]; then
-      TAIL=14 step deferred_mla 230 python3 scripts/bench_attention.py --suite llm --llm-heads 16 16 192 \
-          --value-dim 128 --seq-lens 8192 32768 --impls "${impls[@]}" tokamax_mosaic "${common[@]}" \
-          --out "$OUT/deferred_mla.json"
-    else
-      TAIL=10 step deferred_tests 200 timeout -s INT 190 $GPU_TEST tests/test_pallas_mgpu.py \
-          -k "deferred_release_changes or overlapped_matmuls_change" --durations 3
-      TAIL=40 step deferred_ptxas 130 python3 notes/experiments/bwd_ptxas.py --dump-dir /tmp/ptxas \
-          --out "$OUT/deferred_ptxas.json"
-      TAIL=30 step deferred_parts 220 python3 scripts/profile_backward.py --seq-lens 8192 32768 --overlap --deferred \
-          --repeats 5 --out "$OUT/deferred_parts.json"
     fi ;;
   one_memory_warp)
     common=(--tokens 32768 --causal yes --packed no --inputs sinks_many --repeats 7 --inner 3)
