@@ -25,7 +25,7 @@ from clis_train import benchmarking
 def _case(b, s, hq, hkv, d, causal, packed, fused, seed=0, dv=None, softcap=None, overlap=False):
   """{part: zero-argument callable} for one shape, the forward's o and lse made once beforehand; the backward and its
   kernels at the library's default tiles (fused or not as asked). With overlap, the kernels in the default step order
-  (overlap_matmuls=False) and the overlapped one (parts named *_overlap)."""
+  (overlap_dq and overlap_dkv off) and the overlapped one (both on; parts named *_overlap)."""
   dv = d if dv is None else dv
   kq, kk, kv, kd, kc = jax.random.split(jax.random.PRNGKey(seed), 5)
   q = jax.random.normal(kq, (b, s, hq, d), jnp.bfloat16)
@@ -54,7 +54,7 @@ def _case(b, s, hq, hkv, d, causal, packed, fused, seed=0, dv=None, softcap=None
   }
   orders = [("", bs)]  # the kernels as the backward runs them; with overlap, each step order named
   if overlap:
-    orders = [(name, dataclasses.replace(bs, overlap_matmuls=on)) for name, on in (("", False), ("_overlap", True))]
+    orders = [(name, dataclasses.replace(bs, overlap_dq=on, overlap_dkv=on)) for name, on in (("", False), ("_overlap", True))]
   for suffix, order in orders:
     if fused:
       parts["fused_kernel" + suffix] = jax.jit(lambda *a, t=order: launches(*a, bs=t).fused())
@@ -93,7 +93,7 @@ def main():
   parser.add_argument("--fused", action="store_true", help="the one-kernel backward instead of the two kernels")
   parser.add_argument("--softcap", type=float, default=None, help="logits soft cap c (no cuDNN comparison)")
   parser.add_argument("--overlap", action="store_true",
-                      help="also time each kernel with BlockSizes(overlap_matmuls=True), interleaved")
+                      help="also time each kernel with BlockSizes(overlap_dq=True, overlap_dkv=True), interleaved")
   parser.add_argument("--repeats", type=int, default=9)
   parser.add_argument("--inner", type=int, default=3)
   parser.add_argument("--out", default=None)

@@ -264,7 +264,7 @@ def test_plan_overlaps_the_backward_matmuls_where_it_measured_faster(d, dv, seq,
   there, slower with a soft cap at 8k-16k, slower at D 64 and MLA's 192/128, unmeasured with a cap at 256)."""
   tiles = plan.make_plan(dtype=jnp.bfloat16, head_dim=d, value_head_dim=dv, seq_len=seq, stabilizer="online",
                          causal=True, packed=False, platform=HOPPER).backward_block_sizes
-  assert (tiles.fused_dq, tiles.overlap_matmuls) == (fused, overlap)
+  assert (tiles.fused_dq, tiles.overlap_dq, tiles.overlap_dkv) == (fused, overlap, overlap)
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -955,9 +955,9 @@ def test_window_whole_blocks_are_wholly_visible_and_the_rest_of_the_band_is_mask
 
 
 # (name, seq, q·k head dim, v head dim, causal, packed, attention keywords, backward tiles): each backward kernel
-# family with BlockSizes(overlap_matmuls=True) — the two kernels at 128, the fused one at 64, split dQ, the wide
+# family with BlockSizes(overlap_dq=True, overlap_dkv=True) — the two kernels at 128, the fused one at 64, split dQ, the wide
 # kernels at 256, MLA's 192/128 — and the soft cap with a window
-OVERLAP = pallas_mgpu_vjp.BlockSizes(overlap_matmuls=True)
+OVERLAP = pallas_mgpu_vjp.BlockSizes(overlap_dq=True, overlap_dkv=True)
 OVERLAP_CASES = [
     ("causal_d128", 1000, 128, 128, True, False, {}, OVERLAP),
     ("causal_packed_d64_fused", 1000, 64, 64, True, True, {}, dataclasses.replace(OVERLAP, fused_dq=True)),
@@ -973,7 +973,7 @@ OVERLAP_CASES = [
 @pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
 @pytest.mark.parametrize("name,seq,d,dv,causal,packed,kw,tiles", OVERLAP_CASES, ids=[c[0] for c in OVERLAP_CASES])
 def test_overlapped_matmuls_lower_for_the_gpu(name, seq, d, dv, causal, packed, kw, tiles):
-  """BlockSizes(overlap_matmuls=True) lowers for an H200 in every backward kernel family: each step issues dP's
+  """BlockSizes(overlap_dq=True, overlap_dkv=True) lowers for an H200 in every backward kernel family: each step issues dP's
   wgmma behind S's and waits for S alone."""
   q = jax.ShapeDtypeStruct((1, seq, 8, d), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((1, seq, 2, d), jnp.bfloat16)
@@ -991,7 +991,7 @@ def test_overlapped_matmuls_lower_for_the_gpu(name, seq, d, dv, causal, packed, 
 @needs_gpu
 @pytest.mark.parametrize("name,seq,d,dv,causal,packed,kw,tiles", OVERLAP_CASES, ids=[c[0] for c in OVERLAP_CASES])
 def test_overlapped_matmuls_change_nothing_on_gpu(name, seq, d, dv, causal, packed, kw, tiles):
-  """overlap_matmuls only reorders the wgmmas and their waits: dq, dk, dv bit-identical to the same backward without
+  """overlap_dq and overlap_dkv only reorder the wgmmas and their waits: dq, dk, dv bit-identical to the same backward without
   it (the fused kernels add dQ's parts in no fixed order, so there dQ is held to float64's tolerance only), and
   within bf16's tolerance of float64."""
   q, k, v, do, seg, want = _float64_case(name, seq, 8, 2, d, dv, causal, packed, kw)
@@ -1001,7 +1001,7 @@ def test_overlapped_matmuls_change_nothing_on_gpu(name, seq, d, dv, causal, pack
                                   **kw)
     return jax.vjp(f, q, k, v)[1](do)
 
-  got, before = grads(tiles), grads(dataclasses.replace(tiles, overlap_matmuls=False))
+  got, before = grads(tiles), grads(dataclasses.replace(tiles, overlap_dq=False, overlap_dkv=False))
   for i, (a, b) in enumerate(zip(got, before)):
     if i or not tiles.fused_dq:
       np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)), err_msg=i)

@@ -56,17 +56,19 @@ class BlockSizes:
   dQ accumulator's registers, half the staging memory). Both warpgroups then walk the CTA's steps in lockstep
   (one 2-arrival barrier per step). Opt-in until timed on the H200.
   soft_cap_tanh: logits_soft_cap's tanh, as the forward's BlockSizes field of that name (they should agree).
-  overlap_matmuls: each step issues dP's wgmma right behind S's and waits only for S before forming P, so the
-  tensor cores run dP while the warpgroup computes P (FlashAttention-3's order); the dK/dV kernels also issue dV's
-  wgmma before waiting for dP. The same arithmetic in another order (bit-identical gradients); it holds dP's
-  accumulator (32 registers a thread) through P. default_block_sizes says where it is on."""
+  overlap_dq, overlap_dkv: in the dQ kernel, or in the dK/dV kernel (the fused one too), each step issues dP's wgmma
+  right behind S's and waits only for S before forming P, so the tensor cores run dP while the warpgroup computes P
+  (FlashAttention-3's order); the dK/dV kernels also issue dV's wgmma before waiting for dP. The same arithmetic in
+  another order (bit-identical gradients); it holds dP's accumulator (32 registers a thread) through P. Apart because
+  they measured apart: the dQ kernel gained and the dK/dV kernel lost (default_block_sizes)."""
 
   slots: int = 2
   fused_dq: bool = False
   document_ranges: bool = True
   split_dq: bool = False
   soft_cap_tanh: str = "approx"
-  overlap_matmuls: bool = False
+  overlap_dq: bool = False
+  overlap_dkv: bool = False
 
   def __post_init__(self):
     if self.soft_cap_tanh not in TANHS:
@@ -115,7 +117,7 @@ def _weights_and_dp(issue_s, issue_dp, weights, *, overlap: bool, wait_dp=None, 
   """One step's (weights(S), dP), S and dP [64, 64] f32 accumulators (or their transposes). issue_s(acc) and
   issue_dp(acc) issue their wgmmas into acc and return how many; weights(s) forms P (and what else the step takes
   from S); wait_dp() waits for dP's operands. Without overlap: S, P, then dP, one accumulator live at a time. With
-  overlap (BlockSizes.overlap_matmuls): dP's wgmmas go right behind S's and only S is waited for, so the tensor cores
+  overlap (BlockSizes.overlap_dq, overlap_dkv): dP's wgmmas go right behind S's and only S is waited for, so the tensor cores
   run dP while this warpgroup forms P; after_weights(w), if given, issues more wgmmas before dP is waited for (the
   dK/dV kernels' dV) and returns how many."""
   acc = plgpu.ACC((ROWS, ROWS), jnp.float32)
@@ -601,7 +603,7 @@ WIDE_HEAD_DIMS = (256,)  # pallas_mgpu_vjp_wide's: the warpgroups share rows and
 # thread, against 128 at head dim 128 and 256 at 256. plan.py reads it from here.
 
 
-OVERLAP_HEAD_DIM, OVERLAP_MIN_SEQ = 128, 32768  # where default_block_sizes turns overlap_matmuls on
+OVERLAP_HEAD_DIM, OVERLAP_MIN_SEQ = 128, 32768  # where default_block_sizes turns overlap_dq and overlap_dkv on
 
 
 def default_block_sizes(head_dim: int, seq_len: int, dtype) -> BlockSizes:
@@ -613,8 +615,8 @@ def default_block_sizes(head_dim: int, seq_len: int, dtype) -> BlockSizes:
   0.93-0.94x with one (H100, 2026-12-07, BENCHMARKS.md §1). It lost at D 64 (fused) and MLA's 192/128; at D 256 it
   measured 1.00-1.05x without a cap and was not measured with one, so there it stays opt-in."""
   del dtype
-  return BlockSizes(fused_dq=head_dim <= FUSED_MAX_HEAD_DIM,
-                    overlap_matmuls=head_dim == OVERLAP_HEAD_DIM and seq_len >= OVERLAP_MIN_SEQ)
+  overlap = head_dim == OVERLAP_HEAD_DIM and seq_len >= OVERLAP_MIN_SEQ
+  return BlockSizes(fused_dq=head_dim <= FUSED_MAX_HEAD_DIM, overlap_dq=overlap, overlap_dkv=overlap)
 
 
 def takes_head_dims(head_dim: int, value_head_dim: int) -> bool:
@@ -671,8 +673,7 @@ class Launches:
     self.common = dict(causal=causal, sigma2=scale * LOG2E, scale=scale, slots=block_sizes.slots,
                        group=num_heads // num_kv_heads, has_segments=segment_ids is not None, doc_ranges=doc_ranges,
                        window=None if window is None else tuple(int(w) for w in window),
-                       cap2=None if softcap is None else float(softcap) * LOG2E, tanh=block_sizes.soft_cap_tanh,
-                       overlap=block_sizes.overlap_matmuls)
+                       cap2=None if softcap is None else float(softcap) * LOG2E, tanh=block_sizes.soft_cap_tanh)
     self.dq_args, self.dkv_args = args, args
     cta_rows = ROWS if self.wide else COMPUTE_WARPGROUPS * ROWS  # the wide kernels' warpgroups share their rows
     if doc_ranges:
@@ -691,7 +692,8 @@ class Launches:
     q, k, v = self.q, self.k, self.v
     dq_acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
     dk, dv = self._launch(
-        functools.partial(_dkv_kernel, fused_dq=True, split_dq=self.block_sizes.split_dq, **self.common),
+        functools.partial(_dkv_kernel, fused_dq=True, split_dq=self.block_sizes.split_dq,
+                          overlap=self.block_sizes.overlap_dkv, **self.common),
         (out_struct(k.shape, k.dtype, k), out_struct(v.shape, v.dtype, v)), self.dkv_grid,
         ("heads", "kv_tiles", "batch"))(*self.dkv_args, dq_acc)
     return (dq_acc[...] * self.scale).astype(q.dtype), dk, dv
@@ -707,14 +709,14 @@ class Launches:
     """dq from the dQ kernel (rows = queries)."""
     q = self.q
     kernel, _, common = self._kernels()
-    return self._launch(functools.partial(kernel, kv_len=self.kv_len, **common),
+    return self._launch(functools.partial(kernel, kv_len=self.kv_len, overlap=self.block_sizes.overlap_dq, **common),
                         out_struct(q.shape, q.dtype, q), self.dq_grid, ("heads", "q_tiles", "batch"))(*self.dq_args)
 
   def dkv(self):
     """(dk, dv) from the dK/dV kernel (rows = keys)."""
     k, v = self.k, self.v
     _, kernel, common = self._kernels()
-    return self._launch(functools.partial(kernel, **common),
+    return self._launch(functools.partial(kernel, overlap=self.block_sizes.overlap_dkv, **common),
                         (out_struct(k.shape, k.dtype, k), out_struct(v.shape, v.dtype, v)), self.dkv_grid,
                         ("heads", "kv_tiles", "batch"))(*self.dkv_args)
 

@@ -1,5 +1,5 @@
 """ptxas's register and spill report for each Mosaic GPU backward kernel, with and without
-BlockSizes(overlap_matmuls=True): does holding dP's accumulator through P spill, and does ptxas serialize the wgmmas
+BlockSizes(overlap_dq=True, overlap_dkv=True): does holding dP's accumulator through P spill, and does ptxas serialize the wgmmas
 (its "wgmma ... serialized" warning)? (issue 36)
 
 Each (kernel, overlap) pair is compiled in a process of its own with Mosaic GPU's dump switches on
@@ -29,7 +29,8 @@ def one(args):
   v = jax.random.normal(key, (1, args.seq, hkv, dv), jnp.bfloat16)
   do = jax.random.normal(key, (1, args.seq, hq, dv), jnp.bfloat16)
   lse = jnp.zeros((1, hq, args.seq), jnp.float32)
-  tiles = pallas_mgpu_vjp.BlockSizes(fused_dq=args.kernel == "fused", overlap_matmuls=args.overlap)
+  tiles = pallas_mgpu_vjp.BlockSizes(fused_dq=args.kernel == "fused", overlap_dq=args.overlap,
+                                     overlap_dkv=args.overlap)
   launch = lambda q, k, v, do, lse: pallas_mgpu_vjp.Launches(q, k, v, None, do, lse, do, causal=True, scale=d ** -0.5,
                                                             kv_len=None, block_sizes=tiles, softcap=args.softcap)
   run = {"dq": lambda *a: launch(*a).dq(), "dkv": lambda *a: launch(*a).dkv(), "fused": lambda *a: launch(*a).fused()}

@@ -37,7 +37,7 @@
 #                      tests, then D 128 (GQA 32/8) causal 8k and 32k fwd and fwd+bwd with cuDNN and tokamax; with
 #                      "more", GPU tests of the forward's features, then cap 50 D 128, Gemma 2 (D 256, cap 50, window
 #                      4096) and MLA 192/128 against tokamax
-#   overlap [more]     the backward's BlockSizes(overlap_matmuls) against the default order: GPU tests (bit-identical
+#   overlap [more]     the backward's BlockSizes(overlap_dq, overlap_dkv) both on against the default order: GPU tests (bit-identical
 #                      gradients), then bwd and fwd+bwd at D 128 (GQA 32/8) and D 256 (GQA 16/8), causal 8k and 32k,
 #                      with cuDNN; with "more", gpt-oss's D 64 (GQA 64/8), MLA 192/128 (tokamax), window 4096 and cap 50
 #   context_parallel [N]  context-parallel attention over N GPUs (default 1: the machinery's cost on one) against
