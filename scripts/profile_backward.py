@@ -25,7 +25,8 @@ from clis_train import benchmarking
 def _case(b, s, hq, hkv, d, causal, packed, fused, seed=0, dv=None, softcap=None, overlap=False):
   """{part: zero-argument callable} for one shape, the forward's o and lse made once beforehand; the backward and its
   kernels at the library's default tiles (fused or not as asked). With overlap, the kernels in the default step order
-  (overlap_dq and overlap_dkv off) and the overlapped one (both on; parts named *_overlap)."""
+  (overlap_dq and overlap_dkv off) and the overlapped one (both on; parts named *_overlap), and at D ≤ 128 the
+  overlapped dK/dV kernel without dV's early wgmma (*_overlap_late_dv)."""
   dv = d if dv is None else dv
   kq, kk, kv, kd, kc = jax.random.split(jax.random.PRNGKey(seed), 5)
   q = jax.random.normal(kq, (b, s, hq, d), jnp.bfloat16)
@@ -61,6 +62,8 @@ def _case(b, s, hq, hkv, d, causal, packed, fused, seed=0, dv=None, softcap=None
     else:
       parts["dq_kernel" + suffix] = jax.jit(lambda *a, t=order: launches(*a, bs=t).dq())
       parts["dkv_kernel" + suffix] = jax.jit(lambda *a, t=order: launches(*a, bs=t).dkv())
+      if suffix and d <= 128 and dv == d:  # the overlap without dV's early wgmma (Launches.dkv(early_dv=False))
+        parts["dkv_kernel_overlap_late_dv"] = jax.jit(lambda *a, t=order: launches(*a, bs=t).dkv(early_dv=False))
   fns = {name: functools.partial(f, *args) for name, f in parts.items()}
   if not packed and softcap is None:  # cuDNN's backward alone (tokamax's where cuDNN takes no such v), from its own
     # forward's residuals
@@ -79,7 +82,7 @@ def _case(b, s, hq, hkv, d, causal, packed, fused, seed=0, dv=None, softcap=None
 def work_dims(name: str, d: int, dv: int) -> int | None:
   """The head dims a part's matmuls sum to (each matmul is 2·B·Hq·S² times its dim, half when causal)."""
   return {"delta_and_args": None, "dq_kernel": 2 * d + dv, "dkv_kernel": 2 * d + 2 * dv}.get(
-      name.removesuffix("_overlap"), 3 * d + 2 * dv)
+      name.removesuffix("_late_dv").removesuffix("_overlap"), 3 * d + 2 * dv)
 
 
 def main():

@@ -329,7 +329,7 @@ def _q_blocks(kv0, rows, *, causal: bool, num_q_blocks: int):
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, sigma2, scale, slots, group,
                 has_segments, fused_dq: bool = False, split_dq: bool = False, doc_ranges: bool = False, window=None,
-                cap2=None, tanh: str = "approx", overlap: bool = False):
+                cap2=None, tanh: str = "approx", overlap: bool = False, early_dv: bool = True):
   qseg_ref = kseg_ref = dq_ref = range_ref = None
   if has_segments:
     (qseg_ref, kseg_ref), refs = refs[:2], refs[2:]
@@ -405,7 +405,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
           plgpu.wgmma(acc_ref, v_smem.at[wg], do_smem.at[slot].T)
           return 1
 
-        if overlap and not fused_dq:  # dV's wgmma too goes out before dP is waited for
+        if overlap and not fused_dq and early_dv:  # dV's wgmma too goes out before dP is waited for
           def overlapped(refs):
             dk_ref_, dv_ref_ = refs
 
@@ -712,10 +712,13 @@ class Launches:
     return self._launch(functools.partial(kernel, kv_len=self.kv_len, overlap=self.block_sizes.overlap_dq, **common),
                         out_struct(q.shape, q.dtype, q), self.dq_grid, ("heads", "q_tiles", "batch"))(*self.dq_args)
 
-  def dkv(self):
-    """(dk, dv) from the dK/dV kernel (rows = keys)."""
+  def dkv(self, early_dv: bool = True):
+    """(dk, dv) from the dK/dV kernel (rows = keys). early_dv=False (D ≤ 128 only; scripts/profile_backward.py): with
+    overlap_dkv, dV's wgmma waits until dS is formed instead of going out before dP is waited for."""
     k, v = self.k, self.v
     _, kernel, common = self._kernels()
+    if not early_dv:
+      common = dict(common, early_dv=False)
     return self._launch(functools.partial(kernel, overlap=self.block_sizes.overlap_dkv, **common),
                         (out_struct(k.shape, k.dtype, k), out_struct(v.shape, v.dtype, v)), self.dkv_grid,
                         ("heads", "kv_tiles", "batch"))(*self.dkv_args)
