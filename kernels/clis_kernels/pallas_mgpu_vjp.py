@@ -603,20 +603,18 @@ WIDE_HEAD_DIMS = (256,)  # pallas_mgpu_vjp_wide's: the warpgroups share rows and
 # thread, against 128 at head dim 128 and 256 at 256. plan.py reads it from here.
 
 
-OVERLAP_HEAD_DIM, OVERLAP_MIN_SEQ = 128, 32768  # where default_block_sizes turns overlap_dq and overlap_dkv on
+OVERLAP_DQ_HEAD_DIMS = (128,)  # where default_block_sizes turns overlap_dq on (overlap_dkv stays off everywhere)
 
 
 def default_block_sizes(head_dim: int, seq_len: int, dtype) -> BlockSizes:
   """The fused backward up to head dim 64, where it is faster (H200, causal 8k, D 64: 1.02 ms against 1.16 for
   the two kernels); at D 128 its 209 KB of shared memory leave one pipeline too few and it is 1.5x slower
   (benchmarks/log.md, 2026-12-01, "the fused backward"). Pass BlockSizes(fused_dq=False) for bit-identical gradients
-  run to run. overlap_matmuls at head dim 128 from 32k rows: there it measured 1.06x (plain causal), 1.09x (cap 50)
-  and 1.04x (window 4096) the default order's backward, while at 8k-16k it was 0.99-1.02x without a cap and
-  0.93-0.94x with one (H100, 2026-12-07, BENCHMARKS.md §1). It lost at D 64 (fused) and MLA's 192/128; at D 256 it
-  measured 1.00-1.05x without a cap and was not measured with one, so there it stays opt-in."""
-  del dtype
-  overlap = head_dim == OVERLAP_HEAD_DIM and seq_len >= OVERLAP_MIN_SEQ
-  return BlockSizes(fused_dq=head_dim <= FUSED_MAX_HEAD_DIM, overlap_dq=overlap, overlap_dkv=overlap)
+  run to run. overlap_dq at head dim 128: the dQ kernel alone measured 1.09x (8k) and 1.14x (32k) its default order,
+  while the dK/dV kernel lost 0.93x with overlap_dkv (H100, 2026-12-07, BENCHMARKS.md §1, "Each backward kernel
+  apart"); both together had lost at D 64 (fused) and MLA's 192/128."""
+  del dtype, seq_len
+  return BlockSizes(fused_dq=head_dim <= FUSED_MAX_HEAD_DIM, overlap_dq=head_dim in OVERLAP_DQ_HEAD_DIMS)
 
 
 def takes_head_dims(head_dim: int, value_head_dim: int) -> bool:
