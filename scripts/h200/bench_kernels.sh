@@ -37,9 +37,13 @@
 #                      tests, then D 128 (GQA 32/8) causal 8k and 32k fwd and fwd+bwd with cuDNN and tokamax; with
 #                      "more", GPU tests of the forward's features, then cap 50 D 128, Gemma 2 (D 256, cap 50, window
 #                      4096) and MLA 192/128 against tokamax
-#   overlap [more]     the backward's BlockSizes(overlap_dq, overlap_dkv) both on against the default order: GPU tests (bit-identical
-#                      gradients), then bwd and fwd+bwd at D 128 (GQA 32/8) and D 256 (GQA 16/8), causal 8k and 32k,
-#                      with cuDNN; with "more", gpt-oss's D 64 (GQA 64/8), MLA 192/128 (tokamax), window 4096 and cap 50
+#   overlap [more]     the backward's step orders: the default (online: overlap_dq at D 128), both kernels overlapped
+#                      (online_overlap_bwd) and neither (online_serial_bwd). GPU tests (bit-identical gradients), then
+#                      bwd and fwd+bwd at D 128 (GQA 32/8) and D 256 (GQA 16/8), causal 8k and 32k, with cuDNN; with
+#                      "more", gpt-oss's D 64 (GQA 64/8), MLA 192/128 (tokamax), window 4096 and cap 50
+#   kernels_apart [more]  each backward kernel timed alone in both step orders (scripts/profile_backward.py --overlap),
+#                      8k and 32k: D 128 and D 128 with cap 50, then the split-dQ determinism check; with "more", D 256,
+#                      MLA 192/128 and ptxas's report (registers, spills, wgmma serialization)
 #   context_parallel [N]  context-parallel attention over N GPUs (default 1: the machinery's cost on one) against
 #                      one GPU, CLiS combine against an online ring: causal 32k GQA 32/8 D 128, sinks
 case "$1" in
@@ -162,21 +166,34 @@ case "$1" in
     common=(--tokens 32768 --causal yes --packed no --inputs sinks_many --passes bwd fwd_bwd --repeats 7 --inner 3)
     if [ "$2" = more ]; then
       TAIL=10 step overlap_d64 150 python3 scripts/bench_attention.py --suite llm --llm-heads 64 8 64 \
-          --seq-lens 8192 32768 --impls online online_overlap_bwd cudnn "${common[@]}" --out "$OUT/overlap_d64.json"
+          --seq-lens 8192 32768 --impls online online_overlap_bwd online_serial_bwd cudnn "${common[@]}" --out "$OUT/overlap_d64.json"
       TAIL=10 step overlap_mla 150 python3 scripts/bench_attention.py --suite llm --llm-heads 16 16 192 \
-          --value-dim 128 --seq-lens 8192 32768 --impls online online_overlap_bwd tokamax_mosaic "${common[@]}" \
+          --value-dim 128 --seq-lens 8192 32768 --impls online online_overlap_bwd online_serial_bwd tokamax_mosaic "${common[@]}" \
           --out "$OUT/overlap_mla.json"
       TAIL=10 step overlap_w4096 120 python3 scripts/bench_attention.py --suite llm --seq-lens 8192 32768 \
-          --window 4096 --impls online online_overlap_bwd cudnn "${common[@]}" --out "$OUT/overlap_w4096.json"
+          --window 4096 --impls online online_overlap_bwd online_serial_bwd cudnn "${common[@]}" --out "$OUT/overlap_w4096.json"
       TAIL=10 step overlap_cap50 120 python3 scripts/bench_attention.py --suite llm --seq-lens 8192 32768 \
-          --softcap 50 --impls online online_overlap_bwd tokamax_mosaic "${common[@]}" --out "$OUT/overlap_cap50.json"
+          --softcap 50 --impls online online_overlap_bwd online_serial_bwd tokamax_mosaic "${common[@]}" --out "$OUT/overlap_cap50.json"
     else
       TAIL=10 step overlap_tests 240 timeout -s INT 230 $GPU_TEST tests/test_pallas_mgpu.py -k "overlapped" \
           --durations 3
       TAIL=10 step overlap_d128 170 python3 scripts/bench_attention.py --suite llm --seq-lens 8192 32768 \
-          --impls online online_overlap_bwd cudnn "${common[@]}" --out "$OUT/overlap_d128.json"
+          --impls online online_overlap_bwd online_serial_bwd cudnn "${common[@]}" --out "$OUT/overlap_d128.json"
       TAIL=10 step overlap_d256 150 python3 scripts/bench_attention.py --suite llm --llm-heads 16 8 256 \
-          --seq-lens 8192 32768 --impls online online_overlap_bwd cudnn "${common[@]}" --out "$OUT/overlap_d256.json"
+          --seq-lens 8192 32768 --impls online online_overlap_bwd online_serial_bwd cudnn "${common[@]}" --out "$OUT/overlap_d256.json"
+    fi ;;
+  kernels_apart)
+    parts=(python3 scripts/profile_backward.py --seq-lens 8192 32768 --overlap --repeats 5)
+    if [ "$2" = more ]; then
+      TAIL=9 step parts_d256 100 "${parts[@]}" --heads 16 8 256 --out "$OUT/parts_d256.json"
+      TAIL=9 step parts_mla 100 "${parts[@]}" --heads 16 16 192 --value-dim 128 --out "$OUT/parts_mla.json"
+      TAIL=20 step ptxas_d128 100 python3 notes/experiments/bwd_ptxas.py --dump-dir /tmp/ptxas --out "$OUT/ptxas_d128.json"
+      TAIL=12 step ptxas_mla 100 python3 notes/experiments/bwd_ptxas.py --heads 16 16 192 --value-dim 128 \
+          --dump-dir /tmp/ptxas_mla --out "$OUT/ptxas_mla.json"
+    else
+      TAIL=10 step parts_d128 100 "${parts[@]}" --out "$OUT/parts_d128.json"
+      TAIL=10 step parts_cap50 100 "${parts[@]}" --softcap 50 --out "$OUT/parts_cap50.json"
+      TAIL=8 step split_determinism 100 python3 notes/experiments/split_determinism.py
     fi ;;
   one_memory_warp)
     common=(--tokens 32768 --causal yes --packed no --inputs sinks_many --repeats 7 --inner 3)
