@@ -25,8 +25,8 @@ from clis_train import benchmarking
 def _case(b, s, hq, hkv, d, causal, packed, fused, seed=0, dv=None, softcap=None, overlap=False):
   """{part: zero-argument callable} for one shape, the forward's o and lse made once beforehand; the backward and its
   kernels at the library's default tiles (fused or not as asked). With overlap, the kernels in the default step order
-  (overlap_dq and overlap_dkv off) and the overlapped one (both on; parts named *_overlap), and at D ≤ 128 the
-  overlapped dK/dV kernel without dV's early wgmma (*_overlap_late_dv)."""
+  (overlap_dq and overlap_dkv off) and the overlapped one (both on; parts named *_overlap), and outside the wide
+  kernels (D 256) the overlapped dK/dV kernel without dV's early wgmma (*_overlap_late_dv)."""
   dv = d if dv is None else dv
   kq, kk, kv, kd, kc = jax.random.split(jax.random.PRNGKey(seed), 5)
   q = jax.random.normal(kq, (b, s, hq, d), jnp.bfloat16)
@@ -62,7 +62,7 @@ def _case(b, s, hq, hkv, d, causal, packed, fused, seed=0, dv=None, softcap=None
     else:
       parts["dq_kernel" + suffix] = jax.jit(lambda *a, t=order: launches(*a, bs=t).dq())
       parts["dkv_kernel" + suffix] = jax.jit(lambda *a, t=order: launches(*a, bs=t).dkv())
-      if suffix and d <= 128 and dv == d:  # the overlap without dV's early wgmma (Launches.dkv(early_dv=False))
+      if suffix and d not in pallas_mgpu_vjp.WIDE_HEAD_DIMS:  # the overlap without dV's early wgmma
         parts["dkv_kernel_overlap_late_dv"] = jax.jit(lambda *a, t=order: launches(*a, bs=t).dkv(early_dv=False))
   fns = {name: functools.partial(f, *args) for name, f in parts.items()}
   if not packed and softcap is None:  # cuDNN's backward alone (tokamax's where cuDNN takes no such v), from its own

@@ -711,11 +711,15 @@ class Launches:
                         out_struct(q.shape, q.dtype, q), self.dq_grid, ("heads", "q_tiles", "batch"))(*self.dq_args)
 
   def dkv(self, early_dv: bool = True):
-    """(dk, dv) from the dK/dV kernel (rows = keys). early_dv=False (D ≤ 128 only; scripts/profile_backward.py): with
-    overlap_dkv, dV's wgmma waits until dS is formed instead of going out before dP is waited for."""
+    """(dk, dv) from the dK/dV kernel (rows = keys). early_dv=False (not the wide kernels; for
+    scripts/profile_backward.py): with overlap_dkv, dV's wgmma waits until dS is formed instead of going out before dP
+    is waited for."""
     k, v = self.k, self.v
     _, kernel, common = self._kernels()
     if not early_dv:
+      if self.wide:
+        raise ValueError(f"early_dv=False is built for the two kernels up to head dim {MAX_HEAD_DIM} and MLA's; got "
+                         f"head_dim={k.shape[-1]} (pallas_mgpu_vjp_wide): use early_dv=True")
       common = dict(common, early_dv=False)
     return self._launch(functools.partial(kernel, overlap=self.block_sizes.overlap_dkv, **common),
                         (out_struct(k.shape, k.dtype, k), out_struct(v.shape, v.dtype, v)), self.dkv_grid,
