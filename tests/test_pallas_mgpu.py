@@ -1007,3 +1007,26 @@ def test_overlapped_matmuls_change_nothing_on_gpu(name, seq, d, dv, causal, pack
       np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)), err_msg=i)
   errors = [ref.rel_err(g, w) for g, w in zip(got, want[1:])]
   assert max(errors) < TOLERANCE[jnp.bfloat16][1], errors
+
+
+@pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
+@pytest.mark.parametrize("d,dv", [(128, 128), (192, 128)])
+def test_dkv_kernel_without_early_dv_lowers_for_the_gpu(d, dv):
+  """Launches.dkv(early_dv=False), scripts/profile_backward.py's *_overlap_late_dv part: the overlapped dK/dV kernel
+  with dV's wgmma issued after dS lowers for an H200."""
+  s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+  lse = jax.ShapeDtypeStruct((1, 8, 1024), jnp.float32)
+  tiles = pallas_mgpu_vjp.BlockSizes(overlap_dq=True, overlap_dkv=True)
+  f = lambda q, k, v, o, lse: pallas_mgpu_vjp.Launches(q, k, v, None, o, lse, o, causal=True, scale=0.1, kv_len=None,
+                                                       block_sizes=tiles).dkv(early_dv=False)
+  text = lower_for_h200(f, s(1, 1024, 8, d), s(1, 1024, 2, d), s(1, 1024, 2, dv), s(1, 1024, 8, dv), lse)
+  assert text.count("custom_call @mosaic_gpu") == 1
+
+
+def test_dkv_kernel_without_early_dv_refuses_the_wide_kernels():
+  q, o = jnp.zeros((1, 128, 2, 256), jnp.bfloat16), jnp.zeros((1, 128, 2, 256), jnp.bfloat16)
+  lse = jnp.zeros((1, 2, 128), jnp.float32)
+  launch = pallas_mgpu_vjp.Launches(q, q, q, None, o, lse, o, causal=True, scale=0.1, kv_len=None,
+                                    block_sizes=pallas_mgpu_vjp.BlockSizes())
+  with pytest.raises(ValueError, match="early_dv=False is built for the two kernels"):
+    launch.dkv(early_dv=False)
