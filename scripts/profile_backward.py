@@ -26,7 +26,8 @@ def _case(b, s, hq, hkv, d, causal, packed, fused, seed=0, dv=None, softcap=None
   """{part: zero-argument callable} for one shape, the forward's o and lse made once beforehand; the backward and its
   kernels at the library's default tiles (fused or not as asked). With overlap, the kernels in the default step order
   (overlap_dq and overlap_dkv off) and the overlapped one (both on; parts named *_overlap), and outside the wide
-  kernels (D 256) the overlapped dK/dV kernel without dV's early wgmma (*_overlap_late_dv)."""
+  kernels (D 256) the dK/dV kernel in each order with dV's wgmma moved: behind dP's in the default order (tokamax's,
+  *_dv_with_dp), with dK's in the overlapped one (*_overlap_late_dv)."""
   dv = d if dv is None else dv
   kq, kk, kv, kd, kc = jax.random.split(jax.random.PRNGKey(seed), 5)
   q = jax.random.normal(kq, (b, s, hq, d), jnp.bfloat16)
@@ -62,8 +63,9 @@ def _case(b, s, hq, hkv, d, causal, packed, fused, seed=0, dv=None, softcap=None
     else:
       parts["dq_kernel" + suffix] = jax.jit(lambda *a, t=order: launches(*a, bs=t).dq())
       parts["dkv_kernel" + suffix] = jax.jit(lambda *a, t=order: launches(*a, bs=t).dkv())
-      if suffix and d not in pallas_mgpu_vjp.WIDE_HEAD_DIMS:  # the overlap without dV's early wgmma
-        parts["dkv_kernel_overlap_late_dv"] = jax.jit(lambda *a, t=order: launches(*a, bs=t).dkv(early_dv=False))
+      if d not in pallas_mgpu_vjp.WIDE_HEAD_DIMS:  # dV's wgmma moved (Launches.dkv(dv_with_dp))
+        name, moved = ("dkv_kernel_overlap_late_dv", False) if suffix else ("dkv_kernel_dv_with_dp", True)
+        parts[name] = jax.jit(lambda *a, t=order, m=moved: launches(*a, bs=t).dkv(dv_with_dp=m))
   fns = {name: functools.partial(f, *args) for name, f in parts.items()}
   if not packed and softcap is None:  # cuDNN's backward alone (tokamax's where cuDNN takes no such v), from its own
     # forward's residuals
@@ -82,7 +84,7 @@ def _case(b, s, hq, hkv, d, causal, packed, fused, seed=0, dv=None, softcap=None
 def work_dims(name: str, d: int, dv: int) -> int | None:
   """The head dims a part's matmuls sum to (each matmul is 2·B·Hq·S² times its dim, half when causal)."""
   return {"delta_and_args": None, "dq_kernel": 2 * d + dv, "dkv_kernel": 2 * d + 2 * dv}.get(
-      name.removesuffix("_late_dv").removesuffix("_overlap"), 3 * d + 2 * dv)
+      name.removesuffix("_late_dv").removesuffix("_dv_with_dp").removesuffix("_overlap"), 3 * d + 2 * dv)
 
 
 def main():

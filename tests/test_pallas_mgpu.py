@@ -1010,23 +1010,39 @@ def test_overlapped_matmuls_change_nothing_on_gpu(name, seq, d, dv, causal, pack
 
 
 @pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
-@pytest.mark.parametrize("d,dv", [(128, 128), (192, 128)])
-def test_dkv_kernel_without_early_dv_lowers_for_the_gpu(d, dv):
-  """Launches.dkv(early_dv=False), scripts/profile_backward.py's *_overlap_late_dv part: the overlapped dK/dV kernel
-  with dV's wgmma issued after dS lowers for an H200."""
+@pytest.mark.parametrize("d,dv,overlap", [(128, 128, True), (128, 128, False), (192, 128, True)])
+def test_dkv_kernel_with_dv_moved_lowers_for_the_gpu(d, dv, overlap):
+  """Launches.dkv(dv_with_dp=not overlap), scripts/profile_backward.py's *_overlap_late_dv and *_dv_with_dp parts:
+  the dK/dV kernel with dV's wgmma issued with dK's (overlapped) or behind dP's (tokamax's order) lowers for an
+  H200."""
   s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
   lse = jax.ShapeDtypeStruct((1, 8, 1024), jnp.float32)
-  tiles = pallas_mgpu_vjp.BlockSizes(overlap_dq=True, overlap_dkv=True)
+  tiles = pallas_mgpu_vjp.BlockSizes(overlap_dq=overlap, overlap_dkv=overlap)
   f = lambda q, k, v, o, lse: pallas_mgpu_vjp.Launches(q, k, v, None, o, lse, o, causal=True, scale=0.1, kv_len=None,
-                                                       block_sizes=tiles).dkv(early_dv=False)
+                                                       block_sizes=tiles).dkv(dv_with_dp=not overlap)
   text = lower_for_h200(f, s(1, 1024, 8, d), s(1, 1024, 2, d), s(1, 1024, 2, dv), s(1, 1024, 8, dv), lse)
   assert text.count("custom_call @mosaic_gpu") == 1
 
 
-def test_dkv_kernel_without_early_dv_refuses_the_wide_kernels():
+def test_dkv_kernel_with_dv_moved_refuses_the_wide_kernels():
   q, o = jnp.zeros((1, 128, 2, 256), jnp.bfloat16), jnp.zeros((1, 128, 2, 256), jnp.bfloat16)
   lse = jnp.zeros((1, 2, 128), jnp.float32)
   launch = pallas_mgpu_vjp.Launches(q, q, q, None, o, lse, o, causal=True, scale=0.1, kv_len=None,
                                     block_sizes=pallas_mgpu_vjp.BlockSizes())
-  with pytest.raises(ValueError, match="early_dv=False is built for the two kernels"):
-    launch.dkv(early_dv=False)
+  with pytest.raises(ValueError, match="dv_with_dp=False is built for the two kernels"):
+    launch.dkv(dv_with_dp=False)
+
+
+@needs_gpu
+@pytest.mark.parametrize("d,dv,overlap", [(128, 128, True), (128, 128, False), (192, 128, True)])
+def test_dkv_kernel_with_dv_moved_changes_nothing_on_gpu(d, dv, overlap):
+  """Moving dV's wgmma (Launches.dkv(dv_with_dp)) reorders the dK/dV kernel's matmuls only: dk, dv bit-identical."""
+  q, k, v, do = random_inputs(d + overlap, 1, 1024, 8, 2, d, jnp.bfloat16)
+  v, do = v[..., :dv], do[..., :dv]
+  lse = jax.random.normal(jax.random.PRNGKey(1), (1, 8, 1024), jnp.float32) + 8.0
+  tiles = pallas_mgpu_vjp.BlockSizes(overlap_dq=overlap, overlap_dkv=overlap)
+  run = lambda moved: jax.jit(lambda q, k, v, do, lse: pallas_mgpu_vjp.Launches(
+      q, k, v, None, do, lse, do, causal=True, scale=d ** -0.5, kv_len=None, block_sizes=tiles).dkv(
+          dv_with_dp=moved))(q, k, v, do, lse)
+  for a, b in zip(run(not overlap), run(None)):
+    np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))

@@ -117,9 +117,9 @@ def _weights_and_dp(issue_s, issue_dp, weights, *, overlap: bool, wait_dp=None, 
   """One step's (weights(S), dP), S and dP [64, 64] f32 accumulators (or their transposes). issue_s(acc) and
   issue_dp(acc) issue their wgmmas into acc and return how many; weights(s) forms P (and what else the step takes
   from S); wait_dp() waits for dP's operands. Without overlap: S, P, then dP, one accumulator live at a time. With
-  overlap (BlockSizes.overlap_dq, overlap_dkv): dP's wgmmas go right behind S's and only S is waited for, so the tensor cores
-  run dP while this warpgroup forms P; after_weights(w), if given, issues more wgmmas before dP is waited for (the
-  dK/dV kernels' dV) and returns how many."""
+  overlap (BlockSizes.overlap_dq, overlap_dkv): dP's wgmmas go right behind S's and only S is waited for, so the tensor
+  cores run dP while this warpgroup forms P. after_weights(w), if given, issues more wgmmas behind dP's, before dP is
+  waited for (the dK/dV kernels' dV), and returns how many; without overlap that is tokamax's dK/dV order."""
   acc = plgpu.ACC((ROWS, ROWS), jnp.float32)
   if not overlap:
     def s_scope(ref):
@@ -128,7 +128,9 @@ def _weights_and_dp(issue_s, issue_dp, weights, *, overlap: bool, wait_dp=None, 
 
     def dp_scope(ref):
       issue_dp(ref)
-      return ref[...]
+      if after_weights is None:
+        return ref[...]
+      return plgpu.wgmma_accumulator_load(ref, wait_n=after_weights(w))
 
     w = weights(pl.run_scoped(s_scope, acc))
     if wait_dp is not None:
@@ -329,7 +331,7 @@ def _q_blocks(kv0, rows, *, causal: bool, num_q_blocks: int):
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, sigma2, scale, slots, group,
                 has_segments, fused_dq: bool = False, split_dq: bool = False, doc_ranges: bool = False, window=None,
-                cap2=None, tanh: str = "approx", overlap: bool = False, early_dv: bool = True):
+                cap2=None, tanh: str = "approx", overlap: bool = False, dv_with_dp: bool | None = None):
   qseg_ref = kseg_ref = dq_ref = range_ref = None
   if has_segments:
     (qseg_ref, kseg_ref), refs = refs[:2], refs[2:]
@@ -405,7 +407,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
           plgpu.wgmma(acc_ref, v_smem.at[wg], do_smem.at[slot].T)
           return 1
 
-        if overlap and not fused_dq and early_dv:  # dV's wgmma too goes out before dP is waited for
+        if (overlap if dv_with_dp is None else dv_with_dp) and not fused_dq:  # dV's wgmma goes out behind dP's
           def overlapped(refs):
             dk_ref_, dv_ref_ = refs
 
@@ -413,7 +415,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
               plgpu.wgmma(dv_ref_, w[0].astype(dtype), do_smem.at[slot])
               return 1
 
-            w, dp = _weights_and_dp(issue_s, issue_dp, weights, overlap=True, after_weights=issue_dv)
+            w, dp = _weights_and_dp(issue_s, issue_dp, weights, overlap=overlap, after_weights=issue_dv)
             plgpu.wgmma(dk_ref_, _scores_grad(*w, dp).astype(dtype), q_smem.at[slot])
 
           dk, dv = pl.run_state(overlapped)((plgpu.ACC.init(dk), plgpu.ACC.init(dv)))
@@ -710,17 +712,18 @@ class Launches:
     return self._launch(functools.partial(kernel, kv_len=self.kv_len, overlap=self.block_sizes.overlap_dq, **common),
                         out_struct(q.shape, q.dtype, q), self.dq_grid, ("heads", "q_tiles", "batch"))(*self.dq_args)
 
-  def dkv(self, early_dv: bool = True):
-    """(dk, dv) from the dK/dV kernel (rows = keys). early_dv=False (not the wide kernels; for
-    scripts/profile_backward.py): with overlap_dkv, dV's wgmma waits until dS is formed instead of going out before dP
-    is waited for."""
+  def dkv(self, dv_with_dp: bool | None = None):
+    """(dk, dv) from the dK/dV kernel (rows = keys). dv_with_dp (not the wide kernels; for
+    scripts/profile_backward.py): whether dV's wgmma goes out right behind dP's, before dP is waited for. None: as
+    overlap_dkv does (with it, yes; without, dV waits for dS). True without overlap_dkv is tokamax's order (S, P,
+    dP and dV, dS, dK); False with it issues dV with dK."""
     k, v = self.k, self.v
     _, kernel, common = self._kernels()
-    if not early_dv:
+    if dv_with_dp is not None:
       if self.wide:
-        raise ValueError(f"early_dv=False is built for the two kernels up to head dim {MAX_HEAD_DIM} and MLA's; got "
-                         f"head_dim={k.shape[-1]} (pallas_mgpu_vjp_wide): use early_dv=True")
-      common = dict(common, early_dv=False)
+        raise ValueError(f"{dv_with_dp=} is built for the two kernels up to head dim {MAX_HEAD_DIM} and MLA's; got "
+                         f"head_dim={k.shape[-1]} (pallas_mgpu_vjp_wide): use dv_with_dp=None")
+      common = dict(common, dv_with_dp=dv_with_dp)
     return self._launch(functools.partial(kernel, overlap=self.block_sizes.overlap_dkv, **common),
                         (out_struct(k.shape, k.dtype, k), out_struct(v.shape, v.dtype, v)), self.dkv_grid,
                         ("heads", "kv_tiles", "batch"))(*self.dkv_args)
