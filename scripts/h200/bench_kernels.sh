@@ -42,7 +42,8 @@
 #                      bwd and fwd+bwd at D 128 (GQA 32/8) and D 256 (GQA 16/8), causal 8k and 32k, with cuDNN; with
 #                      "more", gpt-oss's D 64 (GQA 64/8), MLA 192/128 (tokamax), window 4096 and cap 50
 #   kernels_apart [more]  each backward kernel timed alone in both step orders (scripts/profile_backward.py --overlap),
-#                      8k and 32k: D 128 and D 128 with cap 50, then the split-dQ determinism check; with "more", D 256,
+#                      8k and 32k, dV's wgmma moved too (GPU tests first): D 128 and D 128 with cap 50, then the split-dQ
+#                      determinism check; with "more", D 256,
 #                      MLA 192/128 and ptxas's report (registers, spills, wgmma serialization)
 #   context_parallel [N]  context-parallel attention over N GPUs (default 1: the machinery's cost on one) against
 #                      one GPU, CLiS combine against an online ring: causal 32k GQA 32/8 D 128, sinks
@@ -191,6 +192,7 @@ case "$1" in
       TAIL=12 step ptxas_mla 100 python3 notes/experiments/bwd_ptxas.py --heads 16 16 192 --value-dim 128 \
           --dump-dir /tmp/ptxas_mla --out "$OUT/ptxas_mla.json"
     else
+      TAIL=8 step dv_moved_tests 120 timeout -s INT 110 $GPU_TEST tests/test_pallas_mgpu.py -k "dv_moved" --durations 3
       TAIL=10 step parts_d128 100 "${parts[@]}" --out "$OUT/parts_d128.json"
       TAIL=10 step parts_cap50 100 "${parts[@]}" --softcap 50 --out "$OUT/parts_cap50.json"
       TAIL=8 step split_determinism 100 python3 notes/experiments/split_determinism.py
