@@ -128,7 +128,8 @@ FEATURED = ("clis", "online", "clis_blocks", "clis_radius", "clis_cap", "clis_mg
             "cudnn", "clis_triton", "online_triton", "clis_mgpu",
             "online_mgpu", "clis_mgpu_triton_bwd", "online_mgpu_triton_bwd", "clis_exp2_tanh", "online_exp2_tanh",
             "online_heads1", "online_heads2", "online_heads4", "online_heads8", "tokamax_mosaic", "tokamax_triton",
-            "online_four_warps", "clis_mgpu_four_warps", "online_overlap_bwd", "online_serial_bwd")
+            "online_four_warps", "clis_mgpu_four_warps", "online_overlap_bwd", "online_serial_bwd",
+            "online_dq_overlap_bwd")
 
 
 SINKLESS = ("cudnn", "tokamax_mosaic", "tokamax_triton", "tokamax_k_start", "splash")  # entry points with no sinks
@@ -210,10 +211,10 @@ def _four_warps(q, k, v, seg, causal, stabilizer, **kw):
 
 def _bwd_order(q, k, v, seg, causal, stabilizer, overlap_dq: bool, overlap_dkv: bool, **kw):
   """The default forward with the Mosaic GPU backward at the head dim's default tiles but the given step orders
-  (BlockSizes.overlap_dq, overlap_dkv: dP's wgmma issued behind S's in that kernel)."""
+  (BlockSizes.overlap_dq, overlap_dkv: dP's wgmma issued behind S's in that kernel; dv_with_dp off: dV with dK)."""
   tiles = pallas_mgpu_vjp.default_block_sizes(q.shape[-1], q.shape[1], q.dtype)
   return attention(q, k, v, seg, causal=causal, stabilizer=stabilizer, **kw, backward_block_sizes=dataclasses.replace(
-      tiles, overlap_dq=overlap_dq, overlap_dkv=overlap_dkv))
+      tiles, overlap_dq=overlap_dq, overlap_dkv=overlap_dkv, dv_with_dp=False))
 
 
 def _rounded_lse(q, k, v, seg, causal, stabilizer):
@@ -283,6 +284,8 @@ def implementations(names, platform, quick):
     table["clis_cap_tc_sum"] = _cap_tc_sum
     table["online_overlap_bwd"] = functools.partial(_bwd_order, stabilizer="online", overlap_dq=True, overlap_dkv=True)
     table["online_serial_bwd"] = functools.partial(_bwd_order, stabilizer="online", overlap_dq=False, overlap_dkv=False)
+    table["online_dq_overlap_bwd"] = functools.partial(_bwd_order, stabilizer="online", overlap_dq=True,
+                                                       overlap_dkv=False)
     table["online_four_warps"] = functools.partial(_four_warps, stabilizer="online")
     table["clis_mgpu_four_warps"] = functools.partial(_four_warps, stabilizer="clis")
     for heads in (1, 2, 4, 8):

@@ -24,10 +24,10 @@ from clis_train import benchmarking
 
 def _case(b, s, hq, hkv, d, causal, packed, fused, seed=0, dv=None, softcap=None, overlap=False):
   """{part: zero-argument callable} for one shape, the forward's o and lse made once beforehand; the backward and its
-  kernels at the library's default tiles (fused or not as asked). With overlap, the kernels in the default step order
-  (overlap_dq and overlap_dkv off) and the overlapped one (both on; parts named *_overlap), and outside the wide
-  kernels (D 256) the dK/dV kernel in each order with dV's wgmma moved: behind dP's in the default order (tokamax's,
-  *_dv_with_dp), with dK's in the overlapped one (*_overlap_late_dv)."""
+  kernels at the library's default tiles (fused or not as asked). With overlap, each kernel in every step order
+  instead: serial (overlap_dq, overlap_dkv, dv_with_dp off), overlapped (*_overlap: S and dP issued together, dV with
+  dK), and outside the wide kernels (D 256) the dK/dV kernel with dV's wgmma behind dP's in each (*_dv_with_dp:
+  tokamax's order; *_overlap_dv_with_dp)."""
   dv = d if dv is None else dv
   kq, kk, kv, kd, kc = jax.random.split(jax.random.PRNGKey(seed), 5)
   q = jax.random.normal(kq, (b, s, hq, d), jnp.bfloat16)
@@ -38,7 +38,8 @@ def _case(b, s, hq, hkv, d, causal, packed, fused, seed=0, dv=None, softcap=None
   if packed:  # documents of ~1000 tokens, as bench_attention's --doc-len 1000
     ids = jnp.cumsum(jax.random.bernoulli(kc, 1e-3, (b, s)).astype(jnp.int32), axis=1) + 1
     seg = masks.SegmentIds(ids, ids)
-  default = dataclasses.replace(pallas_mgpu_vjp.default_block_sizes(d, s, q.dtype), fused_dq=fused)
+  default = pallas_mgpu_vjp.default_block_sizes(d, s, q.dtype, softcap=softcap)
+  default = dataclasses.replace(default, fused_dq=fused, dv_with_dp=default.dv_with_dp and not fused)
   plan = plan_lib.make_plan(dtype=q.dtype, head_dim=d, value_head_dim=dv, seq_len=s, stabilizer="online", causal=causal,
                             packed=packed, implementation="pallas_mgpu", backward_block_sizes=default)
   scale = d ** -0.5
@@ -56,16 +57,17 @@ def _case(b, s, hq, hkv, d, causal, packed, fused, seed=0, dv=None, softcap=None
   }
   orders = [("", bs)]  # the kernels as the backward runs them; with overlap, each step order named
   if overlap:
-    orders = [(name, dataclasses.replace(bs, overlap_dq=on, overlap_dkv=on)) for name, on in (("", False), ("_overlap", True))]
+    orders = [(name, dataclasses.replace(bs, overlap_dq=on, overlap_dkv=on, dv_with_dp=False))
+              for name, on in (("", False), ("_overlap", True))]
   for suffix, order in orders:
     if fused:
       parts["fused_kernel" + suffix] = jax.jit(lambda *a, t=order: launches(*a, bs=t).fused())
-    else:
-      parts["dq_kernel" + suffix] = jax.jit(lambda *a, t=order: launches(*a, bs=t).dq())
-      parts["dkv_kernel" + suffix] = jax.jit(lambda *a, t=order: launches(*a, bs=t).dkv())
-      if d not in pallas_mgpu_vjp.WIDE_HEAD_DIMS:  # dV's wgmma moved (Launches.dkv(dv_with_dp))
-        name, moved = ("dkv_kernel_overlap_late_dv", False) if suffix else ("dkv_kernel_dv_with_dp", True)
-        parts[name] = jax.jit(lambda *a, t=order, m=moved: launches(*a, bs=t).dkv(dv_with_dp=m))
+      continue
+    parts["dq_kernel" + suffix] = jax.jit(lambda *a, t=order: launches(*a, bs=t).dq())
+    parts["dkv_kernel" + suffix] = jax.jit(lambda *a, t=order: launches(*a, bs=t).dkv())
+    if overlap and d not in pallas_mgpu_vjp.WIDE_HEAD_DIMS:  # dV's wgmma behind dP's (BlockSizes.dv_with_dp)
+      moved = dataclasses.replace(order, dv_with_dp=True)
+      parts[f"dkv_kernel{suffix}_dv_with_dp"] = jax.jit(lambda *a, t=moved: launches(*a, bs=t).dkv())
   fns = {name: functools.partial(f, *args) for name, f in parts.items()}
   if not packed and softcap is None:  # cuDNN's backward alone (tokamax's where cuDNN takes no such v), from its own
     # forward's residuals
@@ -84,7 +86,7 @@ def _case(b, s, hq, hkv, d, causal, packed, fused, seed=0, dv=None, softcap=None
 def work_dims(name: str, d: int, dv: int) -> int | None:
   """The head dims a part's matmuls sum to (each matmul is 2·B·Hq·S² times its dim, half when causal)."""
   return {"delta_and_args": None, "dq_kernel": 2 * d + dv, "dkv_kernel": 2 * d + 2 * dv}.get(
-      name.removesuffix("_late_dv").removesuffix("_dv_with_dp").removesuffix("_overlap"), 3 * d + 2 * dv)
+      name.removesuffix("_dv_with_dp").removesuffix("_overlap"), 3 * d + 2 * dv)
 
 
 def main():

@@ -255,16 +255,25 @@ def test_mosaic_backward_block_sizes_are_validated():
   assert pallas_mgpu_vjp.BlockSizes().multiple == 128
 
 
-@pytest.mark.parametrize("d,dv,seq,fused,overlap", [
-    (128, 128, 32768, False, True), (128, 128, 65536, False, True), (128, 128, 16384, False, True),
-    (128, 128, 8192, False, True), (64, 64, 32768, True, False), (256, 256, 32768, False, False),
-    (192, 128, 32768, False, False)])
-def test_plan_overlaps_the_backward_matmuls_where_it_measured_faster(d, dv, seq, fused, overlap):
-  """The Hopper plan's backward tiles: overlap_dq at head dim 128 (BENCHMARKS.md §1, "Each backward kernel apart": the
-  dQ kernel faster at 8k and 32k), overlap_dkv nowhere (the dK/dV kernel slower)."""
+# (q·k head dim, v head dim, rows, soft cap): (fused_dq, overlap_dq, overlap_dkv, dv_with_dp)
+BACKWARD_ORDERS = [
+    ((128, 128, 8192, None), (False, True, False, True)), ((128, 128, 32768, None), (False, True, False, True)),
+    ((128, 128, 8192, 50.0), (False, False, True, False)), ((128, 128, 32768, 50.0), (False, True, True, False)),
+    ((192, 128, 8192, None), (False, True, True, False)), ((192, 128, 32768, None), (False, True, False, False)),
+    ((256, 256, 8192, None), (False, True, False, False)), ((256, 256, 8192, 50.0), (False, False, False, False)),
+    ((64, 64, 32768, None), (True, False, False, False)), ((64, 64, 8192, 30.0), (True, False, False, False))]
+
+
+@pytest.mark.parametrize("call,want", BACKWARD_ORDERS, ids=[f"d{c[0]}_v{c[1]}_s{c[2]}_cap{c[3]}" for c, _ in BACKWARD_ORDERS])
+def test_plan_orders_each_backward_kernel_as_it_measured_fastest(call, want):
+  """The Hopper plan's backward tiles (BENCHMARKS.md §1, "Each backward kernel apart"): overlap_dq above head dim 64
+  except with a cap below 32k rows; overlap_dkv with a cap, and at MLA's dims below 16k rows; dV behind dP at D 128
+  without a cap; the fused kernel, in its one order, up to 64."""
+  d, dv, seq, cap = call
   tiles = plan.make_plan(dtype=jnp.bfloat16, head_dim=d, value_head_dim=dv, seq_len=seq, stabilizer="online",
-                         causal=True, packed=False, platform=HOPPER).backward_block_sizes
-  assert (tiles.fused_dq, tiles.overlap_dq, tiles.overlap_dkv) == (fused, overlap, False)
+                         causal=True, packed=False, platform=HOPPER, softcap=cap,
+                         window_or_cap=cap is not None).backward_block_sizes
+  assert (tiles.fused_dq, tiles.overlap_dq, tiles.overlap_dkv, tiles.dv_with_dp) == want
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -1009,40 +1018,43 @@ def test_overlapped_matmuls_change_nothing_on_gpu(name, seq, d, dv, causal, pack
   assert max(errors) < TOLERANCE[jnp.bfloat16][1], errors
 
 
+DV_MOVED = [(128, 128, True), (128, 128, False), (192, 128, True), (192, 128, False)]
+
+
 @pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
-@pytest.mark.parametrize("d,dv,overlap", [(128, 128, True), (128, 128, False), (192, 128, True)])
-def test_dkv_kernel_with_dv_moved_lowers_for_the_gpu(d, dv, overlap):
-  """Launches.dkv(dv_with_dp=not overlap), scripts/profile_backward.py's *_overlap_late_dv and *_dv_with_dp parts:
-  the dK/dV kernel with dV's wgmma issued with dK's (overlapped) or behind dP's (tokamax's order) lowers for an
-  H200."""
+@pytest.mark.parametrize("d,dv,overlap", DV_MOVED)
+def test_dkv_kernel_with_dv_behind_dp_lowers_for_the_gpu(d, dv, overlap):
+  """BlockSizes(dv_with_dp=True): the dK/dV kernel with dV's wgmma issued behind dP's, with S and dP overlapped or
+  not (tokamax's order), lowers for an H200."""
   s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
   lse = jax.ShapeDtypeStruct((1, 8, 1024), jnp.float32)
-  tiles = pallas_mgpu_vjp.BlockSizes(overlap_dq=overlap, overlap_dkv=overlap)
+  tiles = pallas_mgpu_vjp.BlockSizes(overlap_dq=overlap, overlap_dkv=overlap, dv_with_dp=True)
   f = lambda q, k, v, o, lse: pallas_mgpu_vjp.Launches(q, k, v, None, o, lse, o, causal=True, scale=0.1, kv_len=None,
-                                                       block_sizes=tiles).dkv(dv_with_dp=not overlap)
+                                                       block_sizes=tiles).dkv()
   text = lower_for_h200(f, s(1, 1024, 8, d), s(1, 1024, 2, d), s(1, 1024, 2, dv), s(1, 1024, 8, dv), lse)
   assert text.count("custom_call @mosaic_gpu") == 1
 
 
-def test_dkv_kernel_with_dv_moved_refuses_the_wide_kernels():
+def test_dv_behind_dp_is_refused_where_no_kernel_takes_it():
+  """The wide kernels (head dim 256) and the fused one have their own dV order: dv_with_dp=True is one clear error."""
   q, o = jnp.zeros((1, 128, 2, 256), jnp.bfloat16), jnp.zeros((1, 128, 2, 256), jnp.bfloat16)
   lse = jnp.zeros((1, 2, 128), jnp.float32)
-  launch = pallas_mgpu_vjp.Launches(q, q, q, None, o, lse, o, causal=True, scale=0.1, kv_len=None,
-                                    block_sizes=pallas_mgpu_vjp.BlockSizes())
-  with pytest.raises(ValueError, match="dv_with_dp=False is built for the two kernels"):
-    launch.dkv(dv_with_dp=False)
+  with pytest.raises(ValueError, match="head_dim=256 runs pallas_mgpu_vjp_wide's kernels .*use dv_with_dp=False"):
+    pallas_mgpu_vjp.Launches(q, q, q, None, o, lse, o, causal=True, scale=0.1, kv_len=None,
+                             block_sizes=pallas_mgpu_vjp.BlockSizes(dv_with_dp=True))
+  with pytest.raises(ValueError, match="the fused kernel \\(fused_dq=True\\) forms dV in its own order"):
+    pallas_mgpu_vjp.BlockSizes(fused_dq=True, dv_with_dp=True)
 
 
 @needs_gpu
-@pytest.mark.parametrize("d,dv,overlap", [(128, 128, True), (128, 128, False), (192, 128, True)])
-def test_dkv_kernel_with_dv_moved_changes_nothing_on_gpu(d, dv, overlap):
-  """Moving dV's wgmma (Launches.dkv(dv_with_dp)) reorders the dK/dV kernel's matmuls only: dk, dv bit-identical."""
+@pytest.mark.parametrize("d,dv,overlap", DV_MOVED)
+def test_dkv_kernel_with_dv_behind_dp_changes_nothing_on_gpu(d, dv, overlap):
+  """Moving dV's wgmma (BlockSizes.dv_with_dp) reorders the dK/dV kernel's matmuls only: dk, dv bit-identical."""
   q, k, v, do = random_inputs(d + overlap, 1, 1024, 8, 2, d, jnp.bfloat16)
   v, do = v[..., :dv], do[..., :dv]
   lse = jax.random.normal(jax.random.PRNGKey(1), (1, 8, 1024), jnp.float32) + 8.0
-  tiles = pallas_mgpu_vjp.BlockSizes(overlap_dq=overlap, overlap_dkv=overlap)
   run = lambda moved: jax.jit(lambda q, k, v, do, lse: pallas_mgpu_vjp.Launches(
-      q, k, v, None, do, lse, do, causal=True, scale=d ** -0.5, kv_len=None, block_sizes=tiles).dkv(
-          dv_with_dp=moved))(q, k, v, do, lse)
-  for a, b in zip(run(not overlap), run(None)):
+      q, k, v, None, do, lse, do, causal=True, scale=d ** -0.5, kv_len=None, block_sizes=pallas_mgpu_vjp.BlockSizes(
+          overlap_dq=overlap, overlap_dkv=overlap, dv_with_dp=moved)).dkv())(q, k, v, do, lse)
+  for a, b in zip(run(True), run(False)):
     np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))

@@ -382,7 +382,8 @@ def context_parallel_attention(q, k, v, segment_ids=None, *, axis_name: str, cau
                             bound="blocks", causal=bool(causal), packed=segment_ids is not None,
                             separate_ids=segment_ids is not None, window_or_cap=logits_soft_cap is not None,
                             implementation=implementation, block_sizes=block_sizes,
-                            backward_block_sizes=backward_block_sizes, interpret=interpret, platform=platform)
+                            backward_block_sizes=backward_block_sizes, interpret=interpret, platform=platform,
+                            softcap=logits_soft_cap)
   if local % 2:
     raise ValueError(f"each device's sequence ({local}) must be two chunks of equal length: make the global "
                      f"sequence a multiple of {2 * shards}")

@@ -107,11 +107,13 @@ def default_block_sizes(head_dim: int, seq_len: int, dtype) -> BlockSizes:
   return BlockSizes(fit(64), fit(32), fit(32), 8, 2, **bwd(32, 4, 1))
 
 
-def hopper_block_sizes(head_dim: int, seq_len: int, dtype) -> BlockSizes:
+def hopper_block_sizes(head_dim: int, seq_len: int, dtype, *, softcap: float | None = None) -> BlockSizes:
   """`default_block_sizes` for the Triton backward behind the Mosaic GPU forward (Hopper only): above head dim 128,
   64-row and 64-key backward tiles in 8 warps, one stage (H200, D 256, causal 8k GQA 16/8: forward+backward 1.24x
   the 32-row tiles, the same gradients; notes/experiments/triton_bwd_d256.py, BENCHMARKS.md §1). Other GPUs keep the
-  smaller tiles (less shared memory)."""
+  smaller tiles (less shared memory). softcap: taken, as plan.make_plan passes it to every backward heuristic; no
+  tile here depends on it."""
+  del softcap
   tiles = default_block_sizes(head_dim, seq_len, dtype)
   if head_dim <= 128 or jnp.dtype(dtype).itemsize > 2:
     return tiles

@@ -58,9 +58,11 @@ class BlockSizes:
   soft_cap_tanh: logits_soft_cap's tanh, as the forward's BlockSizes field of that name (they should agree).
   overlap_dq, overlap_dkv: in the dQ kernel, or in the dK/dV kernel (the fused one too), each step issues dP's wgmma
   right behind S's and waits only for S before forming P, so the tensor cores run dP while the warpgroup computes P
-  (FlashAttention-3's order); the dK/dV kernels also issue dV's wgmma before waiting for dP. The same arithmetic in
-  another order (bit-identical gradients); it holds dP's accumulator (32 registers a thread) through P. Apart because
-  they measured apart: the dQ kernel gained and the dK/dV kernel lost (default_block_sizes)."""
+  (FlashAttention-3's order). The same arithmetic in another order (bit-identical gradients); it holds dP's
+  accumulator (32 registers a thread) through P. Apart because they measured apart (default_block_sizes).
+  dv_with_dp: the two-kernel dK/dV step issues dV's wgmma right behind dP's, before dP is waited for; False issues it
+  with dK's, after dS. Without overlap_dkv, True is tokamax's order (S, P, dP and dV, dS, dK). The wide dK/dV kernel
+  (head dim 256) has one order of its own: dV behind dP when overlap_dkv, with dK otherwise."""
 
   slots: int = 2
   fused_dq: bool = False
@@ -69,6 +71,7 @@ class BlockSizes:
   soft_cap_tanh: str = "approx"
   overlap_dq: bool = False
   overlap_dkv: bool = False
+  dv_with_dp: bool = False
 
   def __post_init__(self):
     if self.soft_cap_tanh not in TANHS:
@@ -77,6 +80,9 @@ class BlockSizes:
       raise ValueError(f"{self.slots=} must be at least 2 (one block computing while the next loads)")
     if self.split_dq and not self.fused_dq:
       raise ValueError("split_dq=True splits the fused backward's dQ: it needs fused_dq=True")
+    if self.dv_with_dp and self.fused_dq:
+      raise ValueError("dv_with_dp=True moves the two-kernel backward's dV wgmma; the fused kernel (fused_dq=True) "
+                       "forms dV in its own order: use dv_with_dp=False")
 
   @property
   def multiple(self) -> int:
@@ -331,7 +337,7 @@ def _q_blocks(kv0, rows, *, causal: bool, num_q_blocks: int):
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, sigma2, scale, slots, group,
                 has_segments, fused_dq: bool = False, split_dq: bool = False, doc_ranges: bool = False, window=None,
-                cap2=None, tanh: str = "approx", overlap: bool = False, dv_with_dp: bool | None = None):
+                cap2=None, tanh: str = "approx", overlap: bool = False, dv_with_dp: bool = False):
   qseg_ref = kseg_ref = dq_ref = range_ref = None
   if has_segments:
     (qseg_ref, kseg_ref), refs = refs[:2], refs[2:]
@@ -407,7 +413,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
           plgpu.wgmma(acc_ref, v_smem.at[wg], do_smem.at[slot].T)
           return 1
 
-        if (overlap if dv_with_dp is None else dv_with_dp) and not fused_dq:  # dV's wgmma goes out behind dP's
+        if dv_with_dp:  # dV's wgmma goes out behind dP's (BlockSizes.dv_with_dp)
           def overlapped(refs):
             dk_ref_, dv_ref_ = refs
 
@@ -605,18 +611,31 @@ WIDE_HEAD_DIMS = (256,)  # pallas_mgpu_vjp_wide's: the warpgroups share rows and
 # thread, against 128 at head dim 128 and 256 at 256. plan.py reads it from here.
 
 
-OVERLAP_DQ_HEAD_DIMS = (128,)  # where default_block_sizes turns overlap_dq on (overlap_dkv stays off everywhere)
+OVERLAP_DQ_CAP_FROM = 32768  # with a soft cap, default_block_sizes overlaps the dQ kernel from this many rows
+OVERLAP_DKV_SPLIT_BELOW = 16384  # MLA's (SPLIT_HEAD_DIMS) dK/dV kernel overlaps below this many rows
 
 
-def default_block_sizes(head_dim: int, seq_len: int, dtype) -> BlockSizes:
+def default_block_sizes(head_dim: int, seq_len: int, dtype, *, softcap: float | None = None) -> BlockSizes:
   """The fused backward up to head dim 64, where it is faster (H200, causal 8k, D 64: 1.02 ms against 1.16 for
   the two kernels); at D 128 its 209 KB of shared memory leave one pipeline too few and it is 1.5x slower
   (benchmarks/log.md, 2026-12-01, "the fused backward"). Pass BlockSizes(fused_dq=False) for bit-identical gradients
-  run to run. overlap_dq at head dim 128: the dQ kernel alone measured 1.09x (8k) and 1.14x (32k) its default order,
-  while the dK/dV kernel lost 0.93x with overlap_dkv (H100, 2026-12-07, BENCHMARKS.md §1, "Each backward kernel
-  apart"); both together had lost at D 64 (fused) and MLA's 192/128."""
-  del dtype, seq_len
-  return BlockSizes(fused_dq=head_dim <= FUSED_MAX_HEAD_DIM, overlap_dq=head_dim in OVERLAP_DQ_HEAD_DIMS)
+  run to run. Above 64, each kernel's step order is the one that measured fastest timed alone (H100, 2026-12-07,
+  causal, 8k and 32k; BENCHMARKS.md §1, "Each backward kernel apart"):
+  - overlap_dq: 1.07-1.12x at D 128, 256 and MLA's 192/128; with soft cap 50 (D 128) 0.91x at 8k and 1.06x at 32k,
+    so with a cap from OVERLAP_DQ_CAP_FROM rows only.
+  - overlap_dkv (dV with dK): 1.28 / 1.41x with cap 50, 1.14 / 0.85x at MLA's dims (so below OVERLAP_DKV_SPLIT_BELOW
+    rows), 0.94 / 0.98x at D 128 without a cap; the wide kernel's overlap 1.02 / 0.94x at D 256, left off.
+  - dv_with_dp (tokamax's order, without overlap_dkv): 1.03 / 1.02x at D 128 without a cap, 0.93 / 0.94x with
+    cap 50, 0.94 / 0.91x at MLA's dims.
+  Cap rules at D 256 and MLA's dims follow D 128's; those were not timed kernel by kernel."""
+  del dtype
+  if head_dim <= FUSED_MAX_HEAD_DIM:
+    return BlockSizes(fused_dq=True)
+  capped, wide = softcap is not None, head_dim in WIDE_HEAD_DIMS
+  split = head_dim in (d for d, _ in SPLIT_HEAD_DIMS)
+  overlap_dkv = not wide and (capped or (split and seq_len < OVERLAP_DKV_SPLIT_BELOW))
+  return BlockSizes(overlap_dq=not capped or seq_len >= OVERLAP_DQ_CAP_FROM, overlap_dkv=overlap_dkv,
+                    dv_with_dp=not (wide or split or capped))
 
 
 def takes_head_dims(head_dim: int, value_head_dim: int) -> bool:
@@ -657,6 +676,9 @@ class Launches:
                        f"Mosaic GPU backward, with v's head dim {v.shape[-1]} equal to it, or (q·k, v) one of "
                        f"{SPLIT_HEAD_DIMS}; use implementation='pallas_gpu' (the Triton kernels)")
     self.wide = q.shape[-1] in WIDE_HEAD_DIMS  # pallas_mgpu_vjp_wide's kernels: 64 rows a CTA, the head dim split
+    if self.wide and block_sizes.dv_with_dp:
+      raise ValueError(f"dv_with_dp=True moves the two-kernel backward's dV wgmma; head_dim={q.shape[-1]} runs "
+                       "pallas_mgpu_vjp_wide's kernels (their own order): use dv_with_dp=False")
     if self.wide and block_sizes.fused_dq:
       raise ValueError(f"head_dim={q.shape[-1]} runs pallas_mgpu_vjp_wide's two kernels: use BlockSizes(fused_dq=False)")
     if block_sizes.fused_dq and q.shape[-1] != v.shape[-1]:
@@ -712,18 +734,12 @@ class Launches:
     return self._launch(functools.partial(kernel, kv_len=self.kv_len, overlap=self.block_sizes.overlap_dq, **common),
                         out_struct(q.shape, q.dtype, q), self.dq_grid, ("heads", "q_tiles", "batch"))(*self.dq_args)
 
-  def dkv(self, dv_with_dp: bool | None = None):
-    """(dk, dv) from the dK/dV kernel (rows = keys). dv_with_dp (not the wide kernels; for
-    scripts/profile_backward.py): whether dV's wgmma goes out right behind dP's, before dP is waited for. None: as
-    overlap_dkv does (with it, yes; without, dV waits for dS). True without overlap_dkv is tokamax's order (S, P,
-    dP and dV, dS, dK); False with it issues dV with dK."""
+  def dkv(self):
+    """(dk, dv) from the dK/dV kernel (rows = keys)."""
     k, v = self.k, self.v
     _, kernel, common = self._kernels()
-    if dv_with_dp is not None:
-      if self.wide:
-        raise ValueError(f"{dv_with_dp=} is built for the two kernels up to head dim {MAX_HEAD_DIM} and MLA's; got "
-                         f"head_dim={k.shape[-1]} (pallas_mgpu_vjp_wide): use dv_with_dp=None")
-      common = dict(common, dv_with_dp=dv_with_dp)
+    if not self.wide:
+      common = dict(common, dv_with_dp=self.block_sizes.dv_with_dp)
     return self._launch(functools.partial(kernel, overlap=self.block_sizes.overlap_dkv, **common),
                         (out_struct(k.shape, k.dtype, k), out_struct(v.shape, v.dtype, v)), self.dkv_grid,
                         ("heads", "kv_tiles", "batch"))(*self.dkv_args)

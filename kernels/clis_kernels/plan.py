@@ -64,7 +64,7 @@ class Backend(NamedTuple):
   block_sizes_type: type
   default_block_sizes: Callable[[int, int, Any], Any]
   backward_block_sizes_type: type
-  default_backward_block_sizes: Callable[[int, int, Any], Any]
+  default_backward_block_sizes: Callable[..., Any]  # (head_dim, seq_len, dtype, *, softcap)
   skip_forward: Callable | None
   row_bounds: Any  # the block bound's (U, L) kernel module (supports, row_bounds), or None: XLA
 
@@ -310,7 +310,7 @@ def make_plan(*, dtype, head_dim: int, seq_len: int, value_head_dim: int | None 
                      f"{backend.block_sizes_type.__module__}.BlockSizes; got {type(block_sizes).__name__}")
   if backward_block_sizes is None:
     backward_block_sizes = (block_sizes if backend.backward_block_sizes_type is backend.block_sizes_type
-                            else backend.default_backward_block_sizes(padded_head, seq_len, dtype))
+                            else backend.default_backward_block_sizes(padded_head, seq_len, dtype, softcap=softcap))
   elif not isinstance(backward_block_sizes, backend.backward_block_sizes_type):
     raise ValueError(f"backward_block_sizes for implementation={entry.name!r} must be "
                      f"{backend.backward_block_sizes_type.__module__}.BlockSizes; got "

@@ -1,6 +1,6 @@
 """Hashes of the Mosaic GPU backward's jaxprs (kernel bodies included, source locations not) over head dims 64 / 128 /
-256 / MLA's 192-128, causal, bidirectional packed, causal packed, cap + window, and each backward choice in both step
-orders (BlockSizes.overlap_dq and overlap_dkv off, then both on): run before and after a refactor that must change nothing traced,
+256 / MLA's 192-128, causal, bidirectional packed, causal packed, cap + window, and each backward choice in each step
+order (BlockSizes.overlap_dq and overlap_dkv off, then both on, then each with dv_with_dp where the kernel takes it): run before and after a refactor that must change nothing traced,
 and compare the two files (the lowered text cannot serve: the serialized kernels carry source line numbers).
 
   PYTHONPATH=kernels:. python3 notes/experiments/backward_jaxpr_hashes.py /tmp/before.json
@@ -24,7 +24,10 @@ for d, dv, hkv in ((128, 128, 2), (64, 64, 2), (256, 256, 4), (192, 128, 4)):
       tiles += [B(fused_dq=True), B(fused_dq=True, split_dq=True)]
     if d == 64:
       tiles = [B(), B(fused_dq=True)]
-    for t in tiles + [dataclasses.replace(t, overlap_dq=True, overlap_dkv=True) for t in tiles]:  # both step orders
+    overlapped = [dataclasses.replace(t, overlap_dq=True, overlap_dkv=True) for t in tiles]
+    # dV behind dP (dv_with_dp) where the kernel takes it: with overlap, the order overlap_dkv alone had until 2026-12-07
+    moved = [dataclasses.replace(t, dv_with_dp=True) for t in tiles + overlapped if not t.fused_dq and d != 256]
+    for t in tiles + overlapped + moved:
       cases.append((d, dv, hkv, causal, packed, kw, t))
 out = {}
 for d, dv, hkv, causal, packed, kw, t in cases:
