@@ -45,6 +45,11 @@
 #                      8k and 32k, dV's wgmma moved too (GPU tests first): D 128 and D 128 with cap 50, then the split-dQ
 #                      determinism check; with "more", D 256,
 #                      MLA 192/128 and ptxas's report (registers, spills, wgmma serialization)
+#   orders             the backward's per-kernel default orders (pallas_mgpu_vjp.default_block_sizes, 2026-12-07) as a
+#                      whole: GPU tests (dV behind dP and the overlapped orders bit-identical), then bwd and fwd+bwd on
+#                      sink inputs against the default before it (online_dq_overlap_bwd at D 128 with and without
+#                      cap 50, online_serial_bwd at D 256 and MLA) and cuDNN or tokamax: D 128 and cap 50 8k/32k,
+#                      MLA 8k/16k/32k, D 256 8k/32k
 #   context_parallel [N]  context-parallel attention over N GPUs (default 1: the machinery's cost on one) against
 #                      one GPU, CLiS combine against an online ring: causal 32k GQA 32/8 D 128, sinks
 case "$1" in
@@ -183,6 +188,19 @@ case "$1" in
       TAIL=10 step overlap_d256 150 python3 scripts/bench_attention.py --suite llm --llm-heads 16 8 256 \
           --seq-lens 8192 32768 --impls online online_overlap_bwd online_serial_bwd cudnn "${common[@]}" --out "$OUT/overlap_d256.json"
     fi ;;
+  orders)
+    common=(--tokens 32768 --causal yes --packed no --inputs sinks_many --passes bwd fwd_bwd --repeats 5 --inner 3)
+    TAIL=6 step orders_tests 200 timeout -s INT 190 $GPU_TEST tests/test_pallas_mgpu.py -k "overlapped or dv_behind" \
+        --durations 3
+    TAIL=10 step orders_d128 110 python3 scripts/bench_attention.py --suite llm --seq-lens 8192 32768 \
+        --impls online online_dq_overlap_bwd cudnn "${common[@]}" --out "$OUT/orders_d128.json"
+    TAIL=10 step orders_cap50 110 python3 scripts/bench_attention.py --suite llm --seq-lens 8192 32768 --softcap 50 \
+        --impls online online_dq_overlap_bwd tokamax_mosaic "${common[@]}" --out "$OUT/orders_cap50.json"
+    TAIL=14 step orders_mla 130 python3 scripts/bench_attention.py --suite llm --llm-heads 16 16 192 --value-dim 128 \
+        --seq-lens 8192 16384 32768 --impls online online_serial_bwd tokamax_mosaic "${common[@]}" \
+        --out "$OUT/orders_mla.json"
+    TAIL=10 step orders_d256 110 python3 scripts/bench_attention.py --suite llm --llm-heads 16 8 256 \
+        --seq-lens 8192 32768 --impls online online_serial_bwd cudnn "${common[@]}" --out "$OUT/orders_d256.json" ;;
   kernels_apart)
     parts=(python3 scripts/profile_backward.py --seq-lens 8192 32768 --overlap --repeats 5)
     if [ "$2" = more ]; then
