@@ -255,25 +255,26 @@ def test_mosaic_backward_block_sizes_are_validated():
   assert pallas_mgpu_vjp.BlockSizes().multiple == 128
 
 
-# (q·k head dim, v head dim, rows, soft cap): (fused_dq, overlap_dq, overlap_dkv, dv_with_dp)
+# (q·k head dim, v head dim, rows, soft cap): (fused_dq, overlap_dq, overlap_dkv); dv_with_dp off everywhere
 BACKWARD_ORDERS = [
-    ((128, 128, 8192, None), (False, True, False, True)), ((128, 128, 32768, None), (False, True, False, True)),
-    ((128, 128, 8192, 50.0), (False, False, True, False)), ((128, 128, 32768, 50.0), (False, True, True, False)),
-    ((192, 128, 8192, None), (False, True, True, False)), ((192, 128, 32768, None), (False, True, False, False)),
-    ((256, 256, 8192, None), (False, True, False, False)), ((256, 256, 8192, 50.0), (False, False, False, False)),
-    ((64, 64, 32768, None), (True, False, False, False)), ((64, 64, 8192, 30.0), (True, False, False, False))]
+    ((128, 128, 8192, None), (False, True, False)), ((128, 128, 32768, None), (False, True, False)),
+    ((128, 128, 8192, 50.0), (False, False, True)), ((128, 128, 32768, 50.0), (False, True, True)),
+    ((192, 128, 16384, None), (False, True, True)), ((192, 128, 32768, None), (False, True, False)),
+    ((256, 256, 8192, None), (False, True, False)), ((256, 256, 8192, 50.0), (False, True, True)),
+    ((256, 256, 32768, 50.0), (False, True, False)),
+    ((64, 64, 32768, None), (True, False, False)), ((64, 64, 8192, 30.0), (True, False, False))]
 
 
 @pytest.mark.parametrize("call,want", BACKWARD_ORDERS, ids=[f"d{c[0]}_v{c[1]}_s{c[2]}_cap{c[3]}" for c, _ in BACKWARD_ORDERS])
 def test_plan_orders_each_backward_kernel_as_it_measured_fastest(call, want):
-  """The Hopper plan's backward tiles (BENCHMARKS.md §1, "Each backward kernel apart"): overlap_dq above head dim 64
-  except with a cap below 32k rows; overlap_dkv with a cap, and at MLA's dims below 16k rows; dV behind dP at D 128
-  without a cap; the fused kernel, in its one order, up to 64."""
+  """The Hopper plan's backward tiles (BENCHMARKS.md §1, "Each backward kernel's step order"): overlap_dq above head dim
+  64 except with a cap at D 128 below 32k rows; overlap_dkv with a cap (at D 256 below 32k rows) and at MLA's dims
+  below 32k rows; dV behind dP nowhere; the fused kernel, in its one order, up to 64."""
   d, dv, seq, cap = call
   tiles = plan.make_plan(dtype=jnp.bfloat16, head_dim=d, value_head_dim=dv, seq_len=seq, stabilizer="online",
                          causal=True, packed=False, platform=HOPPER, softcap=cap,
                          window_or_cap=cap is not None).backward_block_sizes
-  assert (tiles.fused_dq, tiles.overlap_dq, tiles.overlap_dkv, tiles.dv_with_dp) == want
+  assert (tiles.fused_dq, tiles.overlap_dq, tiles.overlap_dkv, tiles.dv_with_dp) == (*want, False)
 
 
 @pytest.mark.parametrize("kwargs,message", [

@@ -611,31 +611,29 @@ WIDE_HEAD_DIMS = (256,)  # pallas_mgpu_vjp_wide's: the warpgroups share rows and
 # thread, against 128 at head dim 128 and 256 at 256. plan.py reads it from here.
 
 
-OVERLAP_DQ_CAP_FROM = 32768  # with a soft cap, default_block_sizes overlaps the dQ kernel from this many rows
-OVERLAP_DKV_SPLIT_BELOW = 16384  # MLA's (SPLIT_HEAD_DIMS) dK/dV kernel overlaps below this many rows
+LONG_ROWS = 32768  # default_block_sizes: where the measured step orders change (8k and 16k rows against 32k)
 
 
 def default_block_sizes(head_dim: int, seq_len: int, dtype, *, softcap: float | None = None) -> BlockSizes:
   """The fused backward up to head dim 64, where it is faster (H200, causal 8k, D 64: 1.02 ms against 1.16 for
   the two kernels); at D 128 its 209 KB of shared memory leave one pipeline too few and it is 1.5x slower
   (benchmarks/log.md, 2026-12-01, "the fused backward"). Pass BlockSizes(fused_dq=False) for bit-identical gradients
-  run to run. Above 64, each kernel's step order is the one that measured fastest timed alone (H100, 2026-12-07,
-  causal, 8k and 32k; BENCHMARKS.md §1, "Each backward kernel apart"):
-  - overlap_dq: 1.07-1.12x at D 128, 256 and MLA's 192/128; with soft cap 50 (D 128) 0.91x at 8k and 1.06x at 32k,
-    so with a cap from OVERLAP_DQ_CAP_FROM rows only.
-  - overlap_dkv (dV with dK): 1.28 / 1.41x with cap 50, 1.14 / 0.85x at MLA's dims (so below OVERLAP_DKV_SPLIT_BELOW
-    rows), 0.94 / 0.98x at D 128 without a cap; the wide kernel's overlap 1.02 / 0.94x at D 256, left off.
-  - dv_with_dp (tokamax's order, without overlap_dkv): 1.03 / 1.02x at D 128 without a cap, 0.93 / 0.94x with
-    cap 50, 0.94 / 0.91x at MLA's dims.
-  Cap rules at D 256 and MLA's dims follow D 128's; those were not timed kernel by kernel."""
+  run to run. Above 64, the step orders that measured fastest in the whole backward (H100, 2026-12-07, causal, sink
+  inputs; BENCHMARKS.md §1, "Each backward kernel's step order"), chosen from each kernel timed alone:
+  - overlap_dq everywhere but with a cap at D 128 (and MLA's dims) below LONG_ROWS (alone: 1.07-1.12x without a
+    cap; 0.91x at 8k, 1.06x at 32k with cap 50).
+  - overlap_dkv with a cap (D 128 whole: 1.08 / 1.23x the dQ overlap alone, 8k / 32k; D 256 with a 4096 window:
+    1.08x at 8k, 0.98x at 32k, so there below LONG_ROWS), and at MLA's dims below LONG_ROWS (whole at 16k: 1.06x;
+    alone 1.14x at 8k, 0.85x at 32k); not at D 128 or 256 without a cap (alone 0.94-0.98x; 1.02 / 0.94x).
+  - dv_with_dp never: 1.02-1.03x at D 128 alone, 0.96x in the whole backward at 32k."""
   del dtype
   if head_dim <= FUSED_MAX_HEAD_DIM:
     return BlockSizes(fused_dq=True)
-  capped, wide = softcap is not None, head_dim in WIDE_HEAD_DIMS
+  capped, wide, long = softcap is not None, head_dim in WIDE_HEAD_DIMS, seq_len >= LONG_ROWS
+  if capped and not wide:
+    return BlockSizes(overlap_dq=long, overlap_dkv=True)
   split = head_dim in (d for d, _ in SPLIT_HEAD_DIMS)
-  overlap_dkv = not wide and (capped or (split and seq_len < OVERLAP_DKV_SPLIT_BELOW))
-  return BlockSizes(overlap_dq=not capped or seq_len >= OVERLAP_DQ_CAP_FROM, overlap_dkv=overlap_dkv,
-                    dv_with_dp=not (wide or split or capped))
+  return BlockSizes(overlap_dq=True, overlap_dkv=(capped or split) and not long)
 
 
 def takes_head_dims(head_dim: int, value_head_dim: int) -> bool:
