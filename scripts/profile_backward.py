@@ -26,8 +26,8 @@ def _case(b, s, hq, hkv, d, causal, packed, fused, seed=0, dv=None, softcap=None
   """{part: zero-argument callable} for one shape, the forward's o and lse made once beforehand; the backward and its
   kernels at the library's default tiles (fused or not as asked). With overlap, each kernel in every step order
   instead: serial (overlap_dq, overlap_dkv, dv_with_dp off), overlapped (*_overlap: S and dP issued together, dV with
-  dK), and outside the wide kernels (D 256) the dK/dV kernel with dV's wgmma behind dP's in each (*_dv_with_dp:
-  tokamax's order; *_overlap_dv_with_dp)."""
+  dK), and the dK/dV kernel with dV's wgmma behind dP's in each (*_dv_with_dp: tokamax's order;
+  *_overlap_dv_with_dp)."""
   dv = d if dv is None else dv
   kq, kk, kv, kd, kc = jax.random.split(jax.random.PRNGKey(seed), 5)
   q = jax.random.normal(kq, (b, s, hq, d), jnp.bfloat16)
@@ -65,7 +65,7 @@ def _case(b, s, hq, hkv, d, causal, packed, fused, seed=0, dv=None, softcap=None
       continue
     parts["dq_kernel" + suffix] = jax.jit(lambda *a, t=order: launches(*a, bs=t).dq())
     parts["dkv_kernel" + suffix] = jax.jit(lambda *a, t=order: launches(*a, bs=t).dkv())
-    if overlap and d not in pallas_mgpu_vjp.WIDE_HEAD_DIMS:  # dV's wgmma behind dP's (BlockSizes.dv_with_dp)
+    if overlap:  # dV's wgmma behind dP's (BlockSizes.dv_with_dp)
       moved = dataclasses.replace(order, dv_with_dp=True)
       parts[f"dkv_kernel{suffix}_dv_with_dp"] = jax.jit(lambda *a, t=moved: launches(*a, bs=t).dkv())
   fns = {name: functools.partial(f, *args) for name, f in parts.items()}

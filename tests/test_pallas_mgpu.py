@@ -255,26 +255,27 @@ def test_mosaic_backward_block_sizes_are_validated():
   assert pallas_mgpu_vjp.BlockSizes().multiple == 128
 
 
-# (q·k head dim, v head dim, rows, soft cap): (fused_dq, overlap_dq, overlap_dkv); dv_with_dp off everywhere
+# (q·k head dim, v head dim, rows, soft cap): (fused_dq, overlap_dq, overlap_dkv, dv_with_dp)
 BACKWARD_ORDERS = [
-    ((128, 128, 8192, None), (False, True, False)), ((128, 128, 32768, None), (False, True, False)),
-    ((128, 128, 8192, 50.0), (False, False, True)), ((128, 128, 32768, 50.0), (False, True, True)),
-    ((192, 128, 16384, None), (False, True, True)), ((192, 128, 32768, None), (False, True, False)),
-    ((256, 256, 8192, None), (False, True, False)), ((256, 256, 8192, 50.0), (False, True, True)),
-    ((256, 256, 32768, 50.0), (False, True, False)),
-    ((64, 64, 32768, None), (True, False, False)), ((64, 64, 8192, 30.0), (True, False, False))]
+    ((128, 128, 8192, None), (False, True, False, False)), ((128, 128, 32768, None), (False, True, False, False)),
+    ((128, 128, 8192, 50.0), (False, False, True, False)), ((128, 128, 32768, 50.0), (False, True, True, False)),
+    ((192, 128, 16384, None), (False, True, True, False)), ((192, 128, 32768, None), (False, True, False, False)),
+    ((256, 256, 8192, None), (False, True, False, False)), ((256, 256, 8192, 50.0), (False, True, True, True)),
+    ((256, 256, 32768, 50.0), (False, True, False, False)),
+    ((64, 64, 32768, None), (True, False, False, False)), ((64, 64, 8192, 30.0), (True, False, False, False))]
 
 
 @pytest.mark.parametrize("call,want", BACKWARD_ORDERS, ids=[f"d{c[0]}_v{c[1]}_s{c[2]}_cap{c[3]}" for c, _ in BACKWARD_ORDERS])
 def test_plan_orders_each_backward_kernel_as_it_measured_fastest(call, want):
   """The Hopper plan's backward tiles (BENCHMARKS.md §1, "Each backward kernel's step order"): overlap_dq above head dim
   64 except with a cap at D 128 below 32k rows; overlap_dkv with a cap (at D 256 below 32k rows) and at MLA's dims
-  below 32k rows; dV behind dP nowhere; the fused kernel, in its one order, up to 64."""
+  below 32k rows; dV behind dP only where D 256 overlaps dK/dV (the order measured there); the fused kernel, in its
+  one order, up to 64."""
   d, dv, seq, cap = call
   tiles = plan.make_plan(dtype=jnp.bfloat16, head_dim=d, value_head_dim=dv, seq_len=seq, stabilizer="online",
                          causal=True, packed=False, platform=HOPPER, softcap=cap,
                          window_or_cap=cap is not None).backward_block_sizes
-  assert (tiles.fused_dq, tiles.overlap_dq, tiles.overlap_dkv, tiles.dv_with_dp) == (*want, False)
+  assert (tiles.fused_dq, tiles.overlap_dq, tiles.overlap_dkv, tiles.dv_with_dp) == want
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -1019,14 +1020,15 @@ def test_overlapped_matmuls_change_nothing_on_gpu(name, seq, d, dv, causal, pack
   assert max(errors) < TOLERANCE[jnp.bfloat16][1], errors
 
 
-DV_MOVED = [(128, 128, True), (128, 128, False), (192, 128, True), (192, 128, False)]
+DV_MOVED = [(128, 128, True), (128, 128, False), (192, 128, True), (192, 128, False), (256, 256, True),
+            (256, 256, False)]
 
 
 @pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
 @pytest.mark.parametrize("d,dv,overlap", DV_MOVED)
 def test_dkv_kernel_with_dv_behind_dp_lowers_for_the_gpu(d, dv, overlap):
-  """BlockSizes(dv_with_dp=True): the dK/dV kernel with dV's wgmma issued behind dP's, with S and dP overlapped or
-  not (tokamax's order), lowers for an H200."""
+  """BlockSizes(dv_with_dp=True): the dK/dV kernel (the wide one at 256) with dV's wgmma issued behind dP's, with S
+  and dP overlapped or not (tokamax's order), lowers for an H200."""
   s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
   lse = jax.ShapeDtypeStruct((1, 8, 1024), jnp.float32)
   tiles = pallas_mgpu_vjp.BlockSizes(overlap_dq=overlap, overlap_dkv=overlap, dv_with_dp=True)
@@ -1036,13 +1038,8 @@ def test_dkv_kernel_with_dv_behind_dp_lowers_for_the_gpu(d, dv, overlap):
   assert text.count("custom_call @mosaic_gpu") == 1
 
 
-def test_dv_behind_dp_is_refused_where_no_kernel_takes_it():
-  """The wide kernels (head dim 256) and the fused one have their own dV order: dv_with_dp=True is one clear error."""
-  q, o = jnp.zeros((1, 128, 2, 256), jnp.bfloat16), jnp.zeros((1, 128, 2, 256), jnp.bfloat16)
-  lse = jnp.zeros((1, 2, 128), jnp.float32)
-  with pytest.raises(ValueError, match="head_dim=256 runs pallas_mgpu_vjp_wide's kernels .*use dv_with_dp=False"):
-    pallas_mgpu_vjp.Launches(q, q, q, None, o, lse, o, causal=True, scale=0.1, kv_len=None,
-                             block_sizes=pallas_mgpu_vjp.BlockSizes(dv_with_dp=True))
+def test_dv_behind_dp_is_refused_by_the_fused_kernel():
+  """The fused kernel has its own dV order: dv_with_dp=True with fused_dq=True is one clear error."""
   with pytest.raises(ValueError, match="the fused kernel \\(fused_dq=True\\) forms dV in its own order"):
     pallas_mgpu_vjp.BlockSizes(fused_dq=True, dv_with_dp=True)
 

@@ -60,9 +60,8 @@ class BlockSizes:
   right behind S's and waits only for S before forming P, so the tensor cores run dP while the warpgroup computes P
   (FlashAttention-3's order). The same arithmetic in another order (bit-identical gradients); it holds dP's
   accumulator (32 registers a thread) through P. Apart because they measured apart (default_block_sizes).
-  dv_with_dp: the two-kernel dK/dV step issues dV's wgmma right behind dP's, before dP is waited for; False issues it
-  with dK's, after dS. Without overlap_dkv, True is tokamax's order (S, P, dP and dV, dS, dK). The wide dK/dV kernel
-  (head dim 256) has one order of its own: dV behind dP when overlap_dkv, with dK otherwise."""
+  dv_with_dp: the dK/dV step issues dV's wgmma right behind dP's, before dP is waited for; False issues it with dK's,
+  after dS. Without overlap_dkv, True is tokamax's order (S, P, dP and dV, dS, dK). The fused kernel has its own."""
 
   slots: int = 2
   fused_dq: bool = False
@@ -81,8 +80,8 @@ class BlockSizes:
     if self.split_dq and not self.fused_dq:
       raise ValueError("split_dq=True splits the fused backward's dQ: it needs fused_dq=True")
     if self.dv_with_dp and self.fused_dq:
-      raise ValueError("dv_with_dp=True moves the two-kernel backward's dV wgmma; the fused kernel (fused_dq=True) "
-                       "forms dV in its own order: use dv_with_dp=False")
+      raise ValueError("dv_with_dp=True moves the dK/dV kernel's dV wgmma; the fused kernel (fused_dq=True) forms dV "
+                       "in its own order: use dv_with_dp=False")
 
   @property
   def multiple(self) -> int:
@@ -625,7 +624,8 @@ def default_block_sizes(head_dim: int, seq_len: int, dtype, *, softcap: float | 
   - overlap_dkv with a cap (D 128 whole: 1.08 / 1.23x the dQ overlap alone, 8k / 32k; D 256 with a 4096 window:
     1.08x at 8k, 0.98x at 32k, so there below LONG_ROWS), and at MLA's dims below LONG_ROWS (whole at 16k: 1.06x;
     alone 1.14x at 8k, 0.85x at 32k); not at D 128 or 256 without a cap (alone 0.94-0.98x; 1.02 / 0.94x).
-  - dv_with_dp never: 1.02-1.03x at D 128 alone, 0.96x in the whole backward at 32k."""
+  - dv_with_dp only where D 256 overlaps its dK/dV kernel, the order measured there (the wide kernel's only one until
+    2026-12-07); elsewhere off: 1.02-1.03x at D 128 alone, 0.96x in the whole backward at 32k."""
   del dtype
   if head_dim <= FUSED_MAX_HEAD_DIM:
     return BlockSizes(fused_dq=True)
@@ -633,7 +633,8 @@ def default_block_sizes(head_dim: int, seq_len: int, dtype, *, softcap: float | 
   if capped and not wide:
     return BlockSizes(overlap_dq=long, overlap_dkv=True)
   split = head_dim in (d for d, _ in SPLIT_HEAD_DIMS)
-  return BlockSizes(overlap_dq=True, overlap_dkv=(capped or split) and not long)
+  overlap_dkv = (capped or split) and not long
+  return BlockSizes(overlap_dq=True, overlap_dkv=overlap_dkv, dv_with_dp=overlap_dkv and wide)
 
 
 def takes_head_dims(head_dim: int, value_head_dim: int) -> bool:
@@ -674,9 +675,6 @@ class Launches:
                        f"Mosaic GPU backward, with v's head dim {v.shape[-1]} equal to it, or (q·k, v) one of "
                        f"{SPLIT_HEAD_DIMS}; use implementation='pallas_gpu' (the Triton kernels)")
     self.wide = q.shape[-1] in WIDE_HEAD_DIMS  # pallas_mgpu_vjp_wide's kernels: 64 rows a CTA, the head dim split
-    if self.wide and block_sizes.dv_with_dp:
-      raise ValueError(f"dv_with_dp=True moves the two-kernel backward's dV wgmma; head_dim={q.shape[-1]} runs "
-                       "pallas_mgpu_vjp_wide's kernels (their own order): use dv_with_dp=False")
     if self.wide and block_sizes.fused_dq:
       raise ValueError(f"head_dim={q.shape[-1]} runs pallas_mgpu_vjp_wide's two kernels: use BlockSizes(fused_dq=False)")
     if block_sizes.fused_dq and q.shape[-1] != v.shape[-1]:
@@ -736,9 +734,8 @@ class Launches:
     """(dk, dv) from the dK/dV kernel (rows = keys)."""
     k, v = self.k, self.v
     _, kernel, common = self._kernels()
-    if not self.wide:
-      common = dict(common, dv_with_dp=self.block_sizes.dv_with_dp)
-    return self._launch(functools.partial(kernel, overlap=self.block_sizes.overlap_dkv, **common),
+    return self._launch(functools.partial(kernel, overlap=self.block_sizes.overlap_dkv,
+                                          dv_with_dp=self.block_sizes.dv_with_dp, **common),
                         (out_struct(k.shape, k.dtype, k), out_struct(v.shape, v.dtype, v)), self.dkv_grid,
                         ("heads", "kv_tiles", "batch"))(*self.dkv_args)
 

@@ -47,7 +47,7 @@ def _hand_over(p_smem, ds_smem, p_low, ds_low, handed, taken):
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, sigma2, scale, slots, group,
                 has_segments, doc_ranges: bool = False, window=None, cap2=None, tanh: str = "approx",
-                overlap: bool = False):
+                overlap: bool = False, dv_with_dp: bool = False):
   qseg_ref = kseg_ref = range_ref = None
   if has_segments:
     (qseg_ref, kseg_ref), refs = refs[:2], refs[2:]
@@ -138,8 +138,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
             plgpu.wgmma(acc_ref, v_smem.at[h], do_smem.at[slot, :, pl.ds(h * value_half, value_half)].T)
           return 2
 
-        if overlap:  # this warpgroup's dV half goes out before dP is waited for
-          def overlapped(refs):
+        if overlap or dv_with_dp:  # S and dP issued together, or dV's half behind dP (BlockSizes.dv_with_dp)
+          def ordered(refs):
             dk_ref_, dv_ref_ = refs
 
             def weights_low(s):  # P rounded once, for dV's wgmma and the hand-over
@@ -150,13 +150,15 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, 
               plgpu.wgmma(dv_ref_, w[1], do_smem.at[slot, :, value_columns])
               return 1
 
-            (p, p_low, dtanh, delta), dp = _weights_and_dp(issue_s, issue_dp, weights_low, overlap=True,
-                                                           after_weights=issue_dv)
+            (p, p_low, dtanh, delta), dp = _weights_and_dp(issue_s, issue_dp, weights_low, overlap=overlap,
+                                                           after_weights=issue_dv if dv_with_dp else None)
             ds_low = _scores_grad(p, dtanh, delta, dp).astype(dtype)
             _hand_over(p_smem, ds_smem, p_low, ds_low, handed, taken)
+            if not dv_with_dp:
+              issue_dv((p, p_low))
             plgpu.wgmma(dk_ref_, ds_low, q_smem.at[slot, :, columns])
 
-          dk, dv = pl.run_state(overlapped)((plgpu.ACC.init(dk), plgpu.ACC.init(dv)))
+          dk, dv = pl.run_state(ordered)((plgpu.ACC.init(dk), plgpu.ACC.init(dv)))
           plgpu.barrier_arrive(free.at[slot])
           return dk, dv
         (p, dtanh, delta), dp = _weights_and_dp(issue_s, issue_dp, weights, overlap=False)

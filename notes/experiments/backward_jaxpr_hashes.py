@@ -26,7 +26,7 @@ for d, dv, hkv in ((128, 128, 2), (64, 64, 2), (256, 256, 4), (192, 128, 4)):
       tiles = [B(), B(fused_dq=True)]
     overlapped = [dataclasses.replace(t, overlap_dq=True, overlap_dkv=True) for t in tiles]
     # dV behind dP (dv_with_dp) where the kernel takes it: with overlap, the order overlap_dkv alone had until 2026-12-07
-    moved = [dataclasses.replace(t, dv_with_dp=True) for t in tiles + overlapped if not t.fused_dq and d != 256]
+    moved = [dataclasses.replace(t, dv_with_dp=True) for t in tiles + overlapped if not t.fused_dq]
     for t in tiles + overlapped + moved:
       cases.append((d, dv, hkv, causal, packed, kw, t))
 out = {}
