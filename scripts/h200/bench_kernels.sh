@@ -50,6 +50,9 @@
 #                      sink inputs against the default before it (online_dq_overlap_bwd at D 128 with and without
 #                      cap 50, online_serial_bwd at D 256 and MLA) and cuDNN or tokamax: D 128 and cap 50 8k/32k,
 #                      MLA 8k/16k/32k, D 256 8k/32k
+#   wide_orders        the wide (D 256) dK/dV kernel's orders: GPU tests of dV behind dP in every dK/dV kernel, then each
+#                      D 256 kernel alone in every order with and without cap 50 (8k, 32k), the D 256 forward alone
+#                      against cuDNN and tokamax (sink inputs), and a 4096 window at D 128 whole at the default
 #   context_parallel [N]  context-parallel attention over N GPUs (default 1: the machinery's cost on one) against
 #                      one GPU, CLiS combine against an online ring: causal 32k GQA 32/8 D 128, sinks
 case "$1" in
@@ -201,6 +204,17 @@ case "$1" in
         --out "$OUT/orders_mla.json"
     TAIL=10 step orders_d256 110 python3 scripts/bench_attention.py --suite llm --llm-heads 16 8 256 \
         --seq-lens 8192 32768 --impls online online_serial_bwd cudnn "${common[@]}" --out "$OUT/orders_d256.json" ;;
+  wide_orders)
+    parts=(python3 scripts/profile_backward.py --seq-lens 8192 32768 --overlap --repeats 5 --heads 16 8 256)
+    TAIL=6 step wide_tests 150 timeout -s INT 140 $GPU_TEST tests/test_pallas_mgpu.py -k "dv_behind" --durations 3
+    TAIL=12 step wide_parts 110 "${parts[@]}" --out "$OUT/wide_parts.json"
+    TAIL=12 step wide_parts_cap50 110 "${parts[@]}" --softcap 50 --out "$OUT/wide_parts_cap50.json"
+    TAIL=8 step wide_fwd 100 python3 scripts/bench_attention.py --suite llm --llm-heads 16 8 256 --seq-lens 8192 32768 \
+        --tokens 32768 --causal yes --packed no --inputs sinks_many --passes fwd --impls online cudnn tokamax_mosaic \
+        --repeats 7 --inner 3 --out "$OUT/wide_fwd.json"
+    TAIL=8 step w4096_default 100 python3 scripts/bench_attention.py --suite llm --seq-lens 8192 32768 --window 4096 \
+        --tokens 32768 --causal yes --packed no --inputs sinks_many --passes fwd_bwd --impls online cudnn \
+        --repeats 5 --inner 3 --out "$OUT/w4096_default.json" ;;
   kernels_apart)
     parts=(python3 scripts/profile_backward.py --seq-lens 8192 32768 --overlap --repeats 5)
     if [ "$2" = more ]; then
