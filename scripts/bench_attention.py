@@ -196,9 +196,11 @@ def _kv64(q, k, v, seg, causal, stabilizer):
 
 
 def _heads_per_cta(q, k, v, seg, causal, stabilizer, heads, **kw):
-  """The Mosaic GPU forward with each CTA walking `heads` query heads of a GQA group (BlockSizes(heads_per_cta))."""
+  """The Mosaic GPU forward with each CTA walking `heads` query heads of a GQA group (BlockSizes(heads_per_cta)), at
+  the head dim's default tiles otherwise."""
+  tiles = pallas_mgpu.default_block_sizes(q.shape[-1], q.shape[1], q.dtype)
   return attention(q, k, v, seg, causal=causal, stabilizer=stabilizer, implementation="pallas_mgpu",
-                   block_sizes=pallas_mgpu.BlockSizes(heads_per_cta=heads), **kw)
+                   block_sizes=dataclasses.replace(tiles, heads_per_cta=heads), **kw)
 
 
 def _four_warps(q, k, v, seg, causal, stabilizer, **kw):

@@ -132,7 +132,14 @@ HEADS_PER_CTA_CASES = [
     (True, 200, 128, True, {}, 2),
     (False, 256, 64, True, dict(local_window_size=(40, 70), logits_soft_cap=20.0), 4),
     (True, 256, 128, True, dict(local_window_size=64), 2),
+    (True, 256, 256, False, {}, 2),  # no q prefetch above 128: each head loads its q tile after the last one's o
+    (False, 256, 256, True, dict(local_window_size=(40, 70), logits_soft_cap=20.0), 4),
 ]
+
+
+def _heads_tiles(d: int, heads: int):
+  """The head dim's default forward tiles with a CTA walking `heads` heads."""
+  return dataclasses.replace(pallas_mgpu.default_block_sizes(d, 0, jnp.bfloat16), heads_per_cta=heads)
 
 
 @pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
@@ -144,8 +151,7 @@ def test_heads_per_cta_lowers_for_the_gpu(causal, seq, d, packed, kw, heads):
   k = jax.ShapeDtypeStruct((1, seq, 2, d), jnp.bfloat16)
   seg = jax.ShapeDtypeStruct((1, seq), jnp.int32) if packed else None
   fwd = lambda q, k, v, seg: attention(q, k, v, seg, causal=causal, implementation="pallas_mgpu", platform=HOPPER,
-                                       stabilizer="online", block_sizes=pallas_mgpu.BlockSizes(heads_per_cta=heads),
-                                       **kw)
+                                       stabilizer="online", block_sizes=_heads_tiles(d, heads), **kw)
   assert lower_for_h200(fwd, q, k, k, seg).count("custom_call @mosaic_gpu") == 1
 
 
@@ -835,7 +841,7 @@ def test_heads_per_cta_changes_nothing_on_gpu(causal, seq, d, packed, kw, heads)
   got = {}
   for n in (1, heads):
     got[n] = attention(q, k, v, seg, causal=causal, implementation="pallas_mgpu", stabilizer="online",
-                       block_sizes=pallas_mgpu.BlockSizes(heads_per_cta=n), **kw)
+                       block_sizes=_heads_tiles(d, n), **kw)
   np.testing.assert_array_equal(np.asarray(got[heads].astype(jnp.float32)), np.asarray(got[1].astype(jnp.float32)))
   window = masks.as_window(kw.get("local_window_size"), causal=causal)
   want = ref.attention(q, k, v, do, seg, causal=causal, window=window, softcap=kw.get("logits_soft_cap"))[0]

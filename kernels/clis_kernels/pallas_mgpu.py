@@ -97,7 +97,8 @@ class BlockSizes:
   heads_per_cta: query heads of one GQA group a CTA walks one after another (the online loop only): the memory
   warpgroup streams the same K/V blocks for each, and each head's q tile is loaded while the one before runs. For
   calls with few KV blocks per CTA, where a CTA's fixed costs (launch, first loads, the epilogue's store) are not
-  hidden behind its loop. None (default): `auto_heads_per_cta`.
+  hidden behind its loop. None (default): `auto_heads_per_cta`. Above head dim 128 each head's q tile loads after the
+  head before has stored its o (Q_PREFETCH_MAX_HEAD_DIM); the K/V stream still runs on across heads.
   one_memory_warp: only the memory warpgroup's first warp streams the K/V blocks (mgpu_pipeline.stream_blocks), as
   tokamax's forward does; the other three then issue nothing on the schedulers they share with the compute warps. H200,
   2026-12-04, causal GQA 32/8 D 128, online: forward 1.018 / 1.017x four streaming warps at 8k / 32k (ncu at 8k: 281.5M
@@ -231,6 +232,7 @@ class _Config:
   cap2: float | None = None  # base-2 soft cap c·log2 e of c·tanh(s / c), or None
   tanh: str = "approx"  # BlockSizes.soft_cap_tanh
   heads: int = 1  # BlockSizes.heads_per_cta
+  q_prefetch: bool = False  # heads > 1: the next head's q tile loads during this head's loop (`_q_parities`)
   sinks: bool = False  # learned sink logits: the epilogue adds each head's term to the rows' sums (`_add_sink`)
   one_memory_warp: bool = True  # BlockSizes.one_memory_warp
 
@@ -385,9 +387,9 @@ def _scratch(c: _Config, dtype, head_dim: int, value_head_dim: int):
 
 
 def _q_parities(c: _Config) -> int:
-  """q tiles in flight per compute warpgroup: two when the CTA walks several heads (the next one loads while
-  this one runs), else one."""
-  return 2 if c.heads > 1 else 1
+  """q tiles in flight per compute warpgroup: two when the CTA walks several heads and a second fits (the next one
+  loads while this one runs), else one (each head loads its own after the head before stored o from that buffer)."""
+  return 2 if c.q_prefetch else 1
 
 
 def _kernel(q_ref, k_ref, v_ref, *refs, config: _Config):
@@ -463,7 +465,8 @@ def _kernel(q_ref, k_ref, v_ref, *refs, config: _Config):
       if c.heads == 1:
         walk(head=head)
       else:  # head h0 + j's steps follow head h0 + j − 1's in the memory warpgroup's stream
-        _load_q(c, g, s, buf=wg, batch=batch, head=head, row0=cta_row0 + wg * c.block_q)
+        if c.q_prefetch:
+          _load_q(c, g, s, buf=wg, batch=batch, head=head, row0=cta_row0 + wg * c.block_q)
         int32_loop(0, c.heads, lambda j, _: walk(head=head + j, nth=j), None)
 
     @pl.when(wg == COMPUTE_WARPGROUPS)
@@ -551,14 +554,16 @@ def _q_buffer(nth, wg):
 def _compute_warpgroup(c: _Config, g: _Refs, s: _Scratch, ks, ss, ls, *, wg, batch, head, kv_head, cta_row0,
                        cta_blocks, turns, block_of, first_block=0, nth=None):
   """Prologue (loads, then the certificate or the XLA one's M), the KV loop it allows, the epilogue.
-  nth: with heads_per_cta, which of the CTA's heads this is (its q tile was loaded by the one before, which loads
-  the next's now)."""
+  nth: with heads_per_cta, which of the CTA's heads this is (with q_prefetch its q tile was loaded by the one
+  before, which loads the next's now)."""
   row0 = cta_row0 + wg * c.block_q
   q_buf, base = wg, 0
-  if nth is not None:
+  if nth is not None and c.q_prefetch:
     q_buf, base = _q_buffer(nth, wg), nth * cta_blocks
     pl.when(nth + 1 < c.heads)(lambda: _load_q(c, g, s, buf=_q_buffer(nth + 1, wg), batch=batch, head=head + 1,
                                                 row0=row0))
+  elif nth is not None:
+    base = nth * cta_blocks
   q_smem, rows = s.qo.at[q_buf], s.rows.at[wg]
   lead = 0  # steps [0, lead) take the window's mask (its band's first blocks)
   if c.window is not None:  # both warpgroups walk the CTA's band (no drain), the mask at its edges only
@@ -572,7 +577,7 @@ def _compute_warpgroup(c: _Config, g: _Refs, s: _Scratch, ks, ss, ls, *, wg, bat
     full, total = _kv_range(c, g, row0, c.block_q)
   if c.doc_ranges:  # steps count from the CTA's first block (launch clamps it to at most full)
     full, total = full - first_block, total - first_block
-  if nth is None:  # with heads_per_cta the head before loaded it
+  if nth is None or not c.q_prefetch:  # with q_prefetch the head before loaded it
     _load_q(c, g, s, buf=wg, batch=batch, head=head, row0=row0)
   if c.mode == "cert":
     plgpu.copy_gmem_to_smem(g.m.at[batch, head, pl.ds(row0, c.block_q)], rows, s.m_ready.at[wg])
@@ -992,16 +997,18 @@ def first_kv_blocks(segment_ids, *, cta_rows: int, block_kv: int):
 
 HEADS_PER_CTA_WINDOW = 1024  # auto_heads_per_cta: windows at most this many keys wide (left + right + 1)
 HEADS_PER_CTA_MAX = 8
-HEADS_PER_CTA_MAX_HEAD_DIM = 128  # two q tiles per warpgroup: 2 · 2 · 64 · 256 · 2 bytes at 256 do not fit beside K, V
+# heads_per_cta prefetches the next head's q tile up to this head dim; at 256 two q tiles per warpgroup (2 · 2 · 64 ·
+# 256 · 2 bytes) do not fit beside K and V, so each head loads its own once the head before has stored o
+Q_PREFETCH_MAX_HEAD_DIM = 128
 
 
 def auto_heads_per_cta(*, mode: str, group: int, window, listed: bool, split_dims: bool, head_dim: int) -> int:
   """The default heads_per_cta: the largest divisor of the GQA group up to 8 for online calls with a window at most
   HEADS_PER_CTA_WINDOW keys wide, else 1. H200, 2026-12-03 (BENCHMARKS.md §1): window 128 at GQA 64/8 D 64, forward
   1.32× / 1.38× one head per CTA at 8 heads (8k / 32k rows); window 1024 at GQA 32/8 D 128, 1.07× / 1.03× at 4;
-  window 4096 and plain causal 2k rows: within ±4%, so they keep one. Head dims above 128 keep one (a second q
-  tile overflows shared memory)."""
-  if (mode != "online" or listed or split_dims or head_dim > HEADS_PER_CTA_MAX_HEAD_DIM or window is None
+  window 4096 and plain causal 2k rows: within ±4%, so they keep one. Head dims above 128 keep one: there the next
+  head's q tile cannot load during this one's loop (Q_PREFETCH_MAX_HEAD_DIM), and that form is not yet timed."""
+  if (mode != "online" or listed or split_dims or head_dim > Q_PREFETCH_MAX_HEAD_DIM or window is None
       or sum(window) + 1 > HEADS_PER_CTA_WINDOW):
     return 1
   return max(n for n in range(1, HEADS_PER_CTA_MAX + 1) if group % n == 0)
@@ -1015,9 +1022,9 @@ def _check_heads_per_cta(c: _Config, q, v):
   if c.mode != "online" or c.listed:
     raise ValueError(f"heads_per_cta={c.heads} runs the online loop only (got mode {c.mode!r}"
                      f"{', a kept-tile list' if c.listed else ''}): use stabilizer='online' or heads_per_cta=1")
-  if q.shape[-1] != v.shape[-1] or q.shape[-1] > HEADS_PER_CTA_MAX_HEAD_DIM:
-    raise ValueError(f"heads_per_cta={c.heads} needs q and v of one head dim, at most {HEADS_PER_CTA_MAX_HEAD_DIM} "
-                     f"(got {q.shape[-1]} and {v.shape[-1]}): use heads_per_cta=1")
+  if q.shape[-1] != v.shape[-1]:
+    raise ValueError(f"heads_per_cta={c.heads} needs q and v of one head dim (got {q.shape[-1]} and {v.shape[-1]}): "
+                     "use heads_per_cta=1")
 
 
 def _launch(q, k, v, segment_ids, stab, *, mode: Mode, causal, scale, kv_len, block_sizes: BlockSizes, interpret,
@@ -1046,7 +1053,7 @@ def _launch(q, k, v, segment_ids, stab, *, mode: Mode, causal, scale, kv_len, bl
   if heads is None:
     heads = auto_heads_per_cta(mode=mode, group=config.group, window=config.window, listed=config.listed,
                                split_dims=q.shape[-1] != v.shape[-1], head_dim=q.shape[-1])
-  config = dataclasses.replace(config, heads=heads)
+  config = dataclasses.replace(config, heads=heads, q_prefetch=heads > 1 and q.shape[-1] <= Q_PREFETCH_MAX_HEAD_DIM)
   if config.heads > 1:
     _check_heads_per_cta(config, q, v)
   kernel = functools.partial(_kernel, config=config)

@@ -53,6 +53,9 @@
 #   wide_orders        the wide (D 256) dK/dV kernel's orders: GPU tests of dV behind dP in every dK/dV kernel, then each
 #                      D 256 kernel alone in every order with and without cap 50 (8k, 32k), the D 256 forward alone
 #                      against cuDNN and tokamax (sink inputs), and a 4096 window at D 128 whole at the default
+#   wide_heads         heads_per_cta at head dim 256 (no q prefetch there): GPU tests, then Gemma 2's GQA 16/8 causal 8k
+#                      and 32k fwd and fwd+bwd, and Gemma 3 1B's GQA 4/1 with a 512-key window fwd, 1 / 2 (/ 4) heads
+#                      per CTA against cuDNN
 #   context_parallel [N]  context-parallel attention over N GPUs (default 1: the machinery's cost on one) against
 #                      one GPU, CLiS combine against an online ring: causal 32k GQA 32/8 D 128, sinks
 case "$1" in
@@ -215,6 +218,15 @@ case "$1" in
     TAIL=8 step w4096_default 100 python3 scripts/bench_attention.py --suite llm --seq-lens 8192 32768 --window 4096 \
         --tokens 32768 --causal yes --packed no --inputs sinks_many --passes fwd_bwd --impls online cudnn \
         --repeats 5 --inner 3 --out "$OUT/w4096_default.json" ;;
+  wide_heads)
+    TAIL=6 step wide_heads_tests 200 timeout -s INT 190 $GPU_TEST tests/test_pallas_mgpu.py -k "heads_per_cta" \
+        --durations 3
+    TAIL=12 step wide_heads_causal 150 python3 scripts/bench_attention.py --suite llm --llm-heads 16 8 256 \
+        --seq-lens 8192 32768 --tokens 32768 --causal yes --packed no --inputs sinks_many --passes fwd fwd_bwd \
+        --impls online_heads1 online_heads2 cudnn --repeats 7 --inner 3 --out "$OUT/wide_heads_causal.json"
+    TAIL=8 step wide_heads_w512 100 python3 scripts/bench_attention.py --suite llm --llm-heads 4 1 256 --window 512 \
+        --seq-lens 8192 32768 --tokens 32768 --causal yes --packed no --inputs sinks_many --passes fwd \
+        --impls online_heads1 online_heads2 online_heads4 cudnn --repeats 7 --inner 3 --out "$OUT/wide_heads_w512.json" ;;
   kernels_apart)
     parts=(python3 scripts/profile_backward.py --seq-lens 8192 32768 --overlap --repeats 5)
     if [ "$2" = more ]; then
