@@ -31,7 +31,8 @@ from clis_kernels.mgpu_pipeline import (COMPUTE_WARPGROUPS, RANGE_WIDTH, compile
                                         kv_blocks, range_scratch, read_range_entry, stream_blocks, stream_kv,
                                         swizzled)
 from clis_kernels.common import int32_loop, out_struct
-from clis_kernels.pallas_mgpu import SPLIT_HEAD_DIMS, TANHS, cap_tanh, first_kv_blocks
+from clis_kernels.pallas_mgpu import SPLIT_HEAD_DIMS, first_kv_blocks
+from clis_kernels.pallas_mgpu_mainloop import TANHS, cap_tanh
 from clis_kernels.stabilizer import LOG2E
 
 ROWS = 64  # rows per compute warpgroup (one wgmma M tile), and the streamed block in both kernels
@@ -74,7 +75,7 @@ class BlockSizes:
 
   def __post_init__(self):
     if self.soft_cap_tanh not in TANHS:
-      raise ValueError(f"{self.soft_cap_tanh=} must be one of {TANHS} (pallas_mgpu.cap_tanh says what each costs)")
+      raise ValueError(f"{self.soft_cap_tanh=} must be one of {TANHS} (pallas_mgpu_mainloop.cap_tanh says what each costs)")
     if self.slots < 2:
       raise ValueError(f"{self.slots=} must be at least 2 (one block computing while the next loads)")
     if self.split_dq and not self.fused_dq:
