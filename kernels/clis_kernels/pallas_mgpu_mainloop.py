@@ -195,7 +195,7 @@ def _weights(c: Config, s: Scratch, ss, r: Rows, fixed: bool, i, slot, masked: b
     p = jnp.exp2(qk * c.logit_scale - lax.broadcast_in_dim(m, qk.shape, [0]))
     p_low = p.astype(r.dtype)
     if not c.exact_sum:
-      l = l + p.sum(axis=1)  # the unrounded weights: see the module docstring
+      l = l + p.sum(axis=1)  # the unrounded weights: see pallas_mgpu.py's docstring (BlockSizes.exact_sum)
     if c.lse_sum:  # lse's sum, unrounded, while p is in registers (BlockSizes.exact_lse)
       l_lse = l_lse + p.sum(axis=1)
     acc, l, l_lse, p_low = lax.optimization_barrier((acc, l, l_lse, p_low))
