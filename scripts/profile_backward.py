@@ -55,19 +55,8 @@ def _case(b, s, hq, hkv, d, causal, packed, fused, seed=0, dv=None, softcap=None
       "backward": jax.jit(lambda *a: pallas_mgpu_vjp.backward(*a, causal=causal, scale=scale, kv_len=None,
                                                                block_sizes=bs, softcap=softcap)),
   }
-  orders = [("", bs)]  # the kernels as the backward runs them; with overlap, each step order named
-  if overlap:
-    orders = [(name, dataclasses.replace(bs, overlap_dq=on, overlap_dkv=on, dv_with_dp=False))
-              for name, on in (("", False), ("_overlap", True))]
-  for suffix, order in orders:
-    if fused:
-      parts["fused_kernel" + suffix] = jax.jit(lambda *a, t=order: launches(*a, bs=t).fused())
-      continue
-    parts["dq_kernel" + suffix] = jax.jit(lambda *a, t=order: launches(*a, bs=t).dq())
-    parts["dkv_kernel" + suffix] = jax.jit(lambda *a, t=order: launches(*a, bs=t).dkv())
-    if overlap:  # dV's wgmma behind dP's (BlockSizes.dv_with_dp)
-      moved = dataclasses.replace(order, dv_with_dp=True)
-      parts[f"dkv_kernel{suffix}_dv_with_dp"] = jax.jit(lambda *a, t=moved: launches(*a, bs=t).dkv())
+  for name, (method, tiles) in kernel_parts(bs, fused=fused, overlap=overlap).items():
+    parts[name] = jax.jit(lambda *a, t=tiles, m=method: getattr(launches(*a, bs=t), m)())
   fns = {name: functools.partial(f, *args) for name, f in parts.items()}
   if not packed and softcap is None:  # cuDNN's backward alone (tokamax's where cuDNN takes no such v), from its own
     # forward's residuals
@@ -81,6 +70,25 @@ def _case(b, s, hq, hkv, d, causal, packed, fused, seed=0, dv=None, softcap=None
     vjp = jax.jit(lambda q, k, v: jax.vjp(other, q, k, v)[1])(q, k, v)
     fns[name] = functools.partial(jax.jit(lambda fn, do: fn(do)), vjp, do)
   return fns
+
+
+def kernel_parts(bs: pallas_mgpu_vjp.BlockSizes, *, fused: bool, overlap: bool):
+  """{part name: (the Launches method that runs it, its BlockSizes)}: the kernels at `bs`; with overlap, each kernel in
+  every step order instead (see `_case`)."""
+  orders = [("", bs)]
+  if overlap:
+    orders = [(name, dataclasses.replace(bs, overlap_dq=on, overlap_dkv=on, dv_with_dp=False))
+              for name, on in (("", False), ("_overlap", True))]
+  parts = {}
+  for suffix, order in orders:
+    if fused:
+      parts["fused_kernel" + suffix] = ("fused", order)
+      continue
+    parts["dq_kernel" + suffix] = ("dq", order)
+    parts["dkv_kernel" + suffix] = ("dkv", order)
+    if overlap:  # dV's wgmma behind dP's (BlockSizes.dv_with_dp)
+      parts[f"dkv_kernel{suffix}_dv_with_dp"] = ("dkv", dataclasses.replace(order, dv_with_dp=True))
+  return parts
 
 
 def work_dims(name: str, d: int, dv: int) -> int | None:

@@ -138,3 +138,28 @@ def test_bench_skip_rule_quick(tmp_path):
   for r in records:
     assert REQUIRED <= set(r) and r["ms"] > 0 and r["ms_min"] <= r["ms"] <= r["ms_max"]
   assert "marks 0.4" in result.stdout
+
+
+def test_profile_backward_names_each_kernel_order():
+  """scripts/profile_backward.py --overlap times each backward kernel in every step order under a name that says it
+  (the device runs' tables read these names): serial, overlapped (dV with dK), and dV behind dP in each."""
+  import dataclasses
+  import importlib.util
+
+  from clis_kernels import pallas_mgpu_vjp
+  spec = importlib.util.spec_from_file_location("profile_backward", ROOT / "scripts" / "profile_backward.py")
+  script = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(script)
+  bs = pallas_mgpu_vjp.BlockSizes(overlap_dq=True)
+  flags = lambda t: (t.overlap_dq, t.overlap_dkv, t.dv_with_dp)
+  got = {name: (method, flags(t)) for name, (method, t) in script.kernel_parts(bs, fused=False, overlap=True).items()}
+  assert got == {
+      "dq_kernel": ("dq", (False, False, False)), "dkv_kernel": ("dkv", (False, False, False)),
+      "dkv_kernel_dv_with_dp": ("dkv", (False, False, True)),
+      "dq_kernel_overlap": ("dq", (True, True, False)), "dkv_kernel_overlap": ("dkv", (True, True, False)),
+      "dkv_kernel_overlap_dv_with_dp": ("dkv", (True, True, True))}
+  assert {n: flags(t) for n, (_, t) in script.kernel_parts(bs, fused=False, overlap=False).items()} == {
+      "dq_kernel": flags(bs), "dkv_kernel": flags(bs)}
+  fused = dataclasses.replace(bs, fused_dq=True)
+  assert list(script.kernel_parts(fused, fused=True, overlap=True)) == ["fused_kernel", "fused_kernel_overlap"]
+  assert script.work_dims("dkv_kernel_overlap_dv_with_dp", 128, 128) == 512
