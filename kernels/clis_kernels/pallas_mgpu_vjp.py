@@ -75,7 +75,8 @@ class BlockSizes:
 
   def __post_init__(self):
     if self.soft_cap_tanh not in TANHS:
-      raise ValueError(f"{self.soft_cap_tanh=} must be one of {TANHS} (pallas_mgpu_mainloop.cap_tanh says what each costs)")
+      raise ValueError(f"{self.soft_cap_tanh=} must be one of {TANHS} (pallas_mgpu_mainloop.cap_tanh says what each "
+                       "costs)")
     if self.slots < 2:
       raise ValueError(f"{self.slots=} must be at least 2 (one block computing while the next loads)")
     if self.split_dq and not self.fused_dq:
