@@ -1,8 +1,9 @@
 """Measuring and reporting, shared by the scripts in scripts/ (variants interleaved and repeated,
 spread reported: BENCHMARKS.md's rules).
 
-`interleaved_medians` times several variants round-robin (A B C A B C …), each sample being
-`inner` back-to-back calls after a warm-up, and returns per-variant medians with their
+`interleaved_medians` times several variants round-robin, each round starting one variant later
+(A B C, B C A, C A B, …) so that no variant always runs first or always follows the same one; each
+sample is `inner` back-to-back calls after a warm-up, and it returns per-variant medians with their
 spread. `write_report` writes the JSON records plus a markdown table and a PNG plot beside it.
 """
 
@@ -18,14 +19,23 @@ from typing import Callable
 import jax
 
 
+def round_orders(names: list[str], repeats: int) -> list[list[str]]:
+  """The order of each round: round r starts at variant r mod n and wraps, so over n rounds every variant takes
+  every position once. With a fixed order two identical configurations measured 3.5-4% apart (H100, 2026-12-07,
+  benchmarks/results/2026-12-07-h100-orders_d128.md); a position effect is one cause this removes."""
+  n = len(names)
+  return [[names[(r + i) % n] for i in range(n)] for r in range(repeats)]
+
+
 def interleaved_medians(fns: dict[str, Callable[[], object]], *, repeats: int, inner: int, warmup: int = 3):
-  """{name: (median_ms, min_ms, max_ms)} of one call of each zero-argument function."""
+  """{name: (median_ms, min_ms, max_ms)} of one call of each zero-argument function, rounds in `round_orders`."""
   for fn in fns.values():
     for _ in range(warmup):
       jax.block_until_ready(fn())
   samples = {name: [] for name in fns}
-  for _ in range(repeats):
-    for name, fn in fns.items():
+  for order in round_orders(list(fns), repeats):
+    for name in order:
+      fn = fns[name]
       t0 = time.perf_counter()
       out = None
       for _ in range(inner):

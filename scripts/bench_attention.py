@@ -129,7 +129,7 @@ FEATURED = ("clis", "online", "clis_blocks", "clis_radius", "clis_cap", "clis_mg
             "online_mgpu", "clis_mgpu_triton_bwd", "online_mgpu_triton_bwd", "clis_exp2_tanh", "online_exp2_tanh",
             "online_heads1", "online_heads2", "online_heads4", "online_heads8", "tokamax_mosaic", "tokamax_triton",
             "online_four_warps", "clis_mgpu_four_warps", "online_overlap_bwd", "online_serial_bwd",
-            "online_dq_overlap_bwd")
+            "online_dq_overlap_bwd", "online_twin")
 
 
 SINKLESS = ("cudnn", "tokamax_mosaic", "tokamax_triton", "tokamax_k_start", "splash")  # entry points with no sinks
@@ -260,6 +260,7 @@ def implementations(names, platform, quick):
       "cudnn": lambda q, k, v, seg, causal, **kw: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
                                                                                implementation="cudnn", **kw),
   }
+  table["online_twin"] = table["online"]  # the default timed twice: the spread between identical versions (METHOD.md)
   table["clis_prepass"] = functools.partial(_prepass, quick=quick)
   table["clis_blocks_prepass"] = functools.partial(_prepass, quick=quick, bound="blocks")
   if quick or platform == "gpu":

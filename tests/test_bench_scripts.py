@@ -163,3 +163,15 @@ def test_profile_backward_names_each_kernel_order():
   fused = dataclasses.replace(bs, fused_dq=True)
   assert list(script.kernel_parts(fused, fused=True, overlap=True)) == ["fused_kernel", "fused_kernel_overlap"]
   assert script.work_dims("dkv_kernel_overlap_dv_with_dp", 128, 128) == 512
+
+
+def test_interleaved_rounds_rotate_so_every_variant_takes_every_position():
+  from clis_train import benchmarking
+  import jax.numpy as jnp
+  orders = benchmarking.round_orders(["a", "b", "c"], repeats=4)
+  assert orders == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+  calls = []
+  fns = {n: (lambda n=n: calls.append(n) or jnp.zeros(())) for n in "abc"}
+  timings = benchmarking.interleaved_medians(fns, repeats=3, inner=2, warmup=1)
+  assert calls[3:] == [n for order in orders[:3] for n in order for _ in range(2)]  # after one warm-up call each
+  assert set(timings) == set("abc") and all(lo <= med <= hi for med, lo, hi in timings.values())

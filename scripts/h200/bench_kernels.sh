@@ -52,7 +52,8 @@
 #                      MLA 8k/16k/32k, D 256 8k/32k
 #   wide_orders        the wide (D 256) dK/dV kernel's orders: GPU tests of dV behind dP in every dK/dV kernel, then each
 #                      D 256 kernel alone in every order with and without cap 50 (8k, 32k), the D 256 forward alone
-#                      against cuDNN and tokamax (sink inputs), and a 4096 window at D 128 whole at the default
+#                      against cuDNN and tokamax (sink inputs), and D 128 bwd / fwd+bwd with the default timed twice
+#                      (online_twin: the spread between identical versions) against cuDNN, 8k and 32k
 #   wide_heads         heads_per_cta at head dim 256 (no q prefetch there): GPU tests, then Gemma 2's GQA 16/8 causal 8k
 #                      and 32k fwd and fwd+bwd, and Gemma 3 1B's GQA 4/1 with a 512-key window fwd, 1 / 2 (/ 4) heads
 #                      per CTA against cuDNN
@@ -215,9 +216,9 @@ case "$1" in
     TAIL=8 step wide_fwd 100 python3 scripts/bench_attention.py --suite llm --llm-heads 16 8 256 --seq-lens 8192 32768 \
         --tokens 32768 --causal yes --packed no --inputs sinks_many --passes fwd --impls online cudnn tokamax_mosaic \
         --repeats 7 --inner 3 --out "$OUT/wide_fwd.json"
-    TAIL=8 step w4096_default 100 python3 scripts/bench_attention.py --suite llm --seq-lens 8192 32768 --window 4096 \
-        --tokens 32768 --causal yes --packed no --inputs sinks_many --passes fwd_bwd --impls online cudnn \
-        --repeats 5 --inner 3 --out "$OUT/w4096_default.json" ;;
+    TAIL=14 step d128_twin 120 python3 scripts/bench_attention.py --suite llm --seq-lens 8192 32768 --tokens 32768 \
+        --causal yes --packed no --inputs sinks_many --passes bwd fwd_bwd --impls online online_twin cudnn \
+        --repeats 6 --inner 3 --out "$OUT/d128_twin.json" ;;
   wide_heads)
     TAIL=6 step wide_heads_tests 200 timeout -s INT 190 $GPU_TEST tests/test_pallas_mgpu.py -k "heads_per_cta" \
         --durations 3
