@@ -50,10 +50,11 @@
 #                      sink inputs against the default before it (online_dq_overlap_bwd at D 128 with and without
 #                      cap 50, online_serial_bwd at D 256 and MLA) and cuDNN or tokamax: D 128 and cap 50 8k/32k,
 #                      MLA 8k/16k/32k, D 256 8k/32k
-#   wide_orders        the wide (D 256) dK/dV kernel's orders: GPU tests of dV behind dP in every dK/dV kernel, then each
-#                      D 256 kernel alone in every order with and without cap 50 (8k, 32k), the D 256 forward alone
-#                      against cuDNN and tokamax (sink inputs), and D 128 bwd / fwd+bwd with the default timed twice
-#                      (online_twin: the spread between identical versions) against cuDNN, 8k and 32k
+#   wide_orders [more]  the wide (D 256) dK/dV kernel's orders and the D 256 forward: GPU tests of dV behind dP in
+#                      every dK/dV kernel and of heads_per_cta, each D 256 backward kernel alone in every order (8k, 32k;
+#                      with "more" also with cap 50), the D 256 forward alone (one and two heads per CTA) against cuDNN
+#                      and tokamax (sink inputs), and D 128 bwd / fwd+bwd with the default timed twice (online_twin: the
+#                      spread between identical versions) against cuDNN, 8k and 32k
 #   wide_heads         heads_per_cta at head dim 256 (no q prefetch there): GPU tests, then Gemma 2's GQA 16/8 causal 8k
 #                      and 32k fwd and fwd+bwd, and Gemma 3 1B's GQA 4/1 with a 512-key window fwd, 1 / 2 (/ 4) heads
 #                      per CTA against cuDNN
@@ -210,12 +211,15 @@ case "$1" in
         --seq-lens 8192 32768 --impls online online_serial_bwd cudnn "${common[@]}" --out "$OUT/orders_d256.json" ;;
   wide_orders)
     parts=(python3 scripts/profile_backward.py --seq-lens 8192 32768 --overlap --repeats 5 --heads 16 8 256)
-    TAIL=6 step wide_tests 150 timeout -s INT 140 $GPU_TEST tests/test_pallas_mgpu.py -k "dv_behind" --durations 3
+    TAIL=6 step wide_tests 200 timeout -s INT 190 $GPU_TEST tests/test_pallas_mgpu.py -k "dv_behind or heads_per_cta" \
+        --durations 3
     TAIL=12 step wide_parts 110 "${parts[@]}" --out "$OUT/wide_parts.json"
-    TAIL=12 step wide_parts_cap50 110 "${parts[@]}" --softcap 50 --out "$OUT/wide_parts_cap50.json"
-    TAIL=8 step wide_fwd 100 python3 scripts/bench_attention.py --suite llm --llm-heads 16 8 256 --seq-lens 8192 32768 \
-        --tokens 32768 --causal yes --packed no --inputs sinks_many --passes fwd --impls online cudnn tokamax_mosaic \
-        --repeats 7 --inner 3 --out "$OUT/wide_fwd.json"
+    TAIL=10 step wide_fwd 120 python3 scripts/bench_attention.py --suite llm --llm-heads 16 8 256 --seq-lens 8192 32768 \
+        --tokens 32768 --causal yes --packed no --inputs sinks_many --passes fwd \
+        --impls online online_heads2 cudnn tokamax_mosaic --repeats 7 --inner 3 --out "$OUT/wide_fwd.json"
+    if [ "$2" = more ]; then
+      TAIL=12 step wide_parts_cap50 110 "${parts[@]}" --softcap 50 --out "$OUT/wide_parts_cap50.json"
+    fi
     TAIL=14 step d128_twin 120 python3 scripts/bench_attention.py --suite llm --seq-lens 8192 32768 --tokens 32768 \
         --causal yes --packed no --inputs sinks_many --passes bwd fwd_bwd --impls online online_twin cudnn \
         --repeats 6 --inner 3 --out "$OUT/d128_twin.json" ;;
