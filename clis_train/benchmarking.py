@@ -21,8 +21,8 @@ import jax
 
 def round_orders(names: list[str], repeats: int) -> list[list[str]]:
   """The order of each round: round r starts at variant r mod n and wraps, so over n rounds every variant takes
-  every position once. With a fixed order two identical configurations measured 3.5-4% apart (H100, 2026-12-07,
-  benchmarks/results/2026-12-07-h100-orders_d128.md); a position effect is one cause this removes."""
+  every position once: with one fixed order the first variant always followed the last one's kernel, a position
+  effect that would fall on one variant's ratios only."""
   n = len(names)
   return [[names[(r + i) % n] for i in range(n)] for r in range(repeats)]
 
