@@ -1,10 +1,11 @@
 """Measuring and reporting, shared by the scripts in scripts/ (variants interleaved and repeated,
 spread reported: BENCHMARKS.md's rules).
 
-`interleaved_medians` times several variants round-robin, each round starting one variant later
+`interleaved_samples` / `interleaved_medians` time several variants round-robin, each round starting one variant later
 (A B C, B C A, C A B, …) so that no variant always runs first or always follows the same one; each
-sample is `inner` back-to-back calls after a warm-up, and it returns per-variant medians with their
-spread. `write_report` writes the JSON records plus a markdown table and a PNG plot beside it.
+sample is `inner` back-to-back calls after a warm-up; they return each round's samples or the medians with their
+spread. `paired_ratio` compares two variants round by round. `write_report` writes the JSON records plus a markdown
+table and a PNG plot beside it.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ def round_orders(names: list[str], repeats: int) -> list[list[str]]:
   return [[names[(r + i) % n] for i in range(n)] for r in range(repeats)]
 
 
-def interleaved_medians(fns: dict[str, Callable[[], object]], *, repeats: int, inner: int, warmup: int = 3):
-  """{name: (median_ms, min_ms, max_ms)} of one call of each zero-argument function, rounds in `round_orders`."""
+def interleaved_samples(fns: dict[str, Callable[[], object]], *, repeats: int, inner: int,
+                        warmup: int = 3) -> dict[str, list[float]]:
+  """{name: [ms of one call, per round]} of each zero-argument function, rounds in `round_orders`; entry r of every
+  list comes from round r, so two variants' lists pair up round by round (`paired_ratio`)."""
   for fn in fns.values():
     for _ in range(warmup):
       jax.block_until_ready(fn())
@@ -42,7 +45,22 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], *, repeats: int, i
         out = fn()
       jax.block_until_ready(out)
       samples[name].append((time.perf_counter() - t0) / inner * 1e3)
+  return samples
+
+
+def interleaved_medians(fns: dict[str, Callable[[], object]], *, repeats: int, inner: int, warmup: int = 3):
+  """{name: (median_ms, min_ms, max_ms)} of one call of each zero-argument function (`interleaved_samples`)."""
+  samples = interleaved_samples(fns, repeats=repeats, inner=inner, warmup=warmup)
   return {name: (statistics.median(s), min(s), max(s)) for name, s in samples.items()}
+
+
+def paired_ratio(base_ms: list[float], ms: list[float]) -> tuple[float, float, float]:
+  """Speed against a baseline timed in the same rounds: (median, min, max) over rounds of base_ms[r] / ms[r]. Drift
+  that moves both variants of one round cancels, which a ratio of two medians does not."""
+  if len(base_ms) != len(ms) or not ms:
+    raise ValueError(f"paired_ratio needs samples from the same rounds: got {len(base_ms)} and {len(ms)}")
+  ratios = [b / m for b, m in zip(base_ms, ms)]
+  return statistics.median(ratios), min(ratios), max(ratios)
 
 
 def device_meta() -> dict:
@@ -61,17 +79,25 @@ def online_baseline(impl: str) -> str:
 
 
 def markdown_table(records: list[dict], value: str = "tflops") -> str:
-  """One row per (case, pass, impl): median ms, [min, max], the rate, and the ratio to the same
-  backend's online baseline (`online_baseline`)."""
-  base = {(r["case"], r["pass"], r["impl"]): r["ms"] for r in records if r["impl"] in ("online", "online_mgpu")}
+  """One row per (case, pass, impl): median ms, [min, max], the rate, and the speed against the same backend's
+  online baseline (`online_baseline`): round by round where both records keep their samples (`paired_ratio`, shown
+  with its [min, max]), else the ratio of the medians."""
+  base = {(r["case"], r["pass"], r["impl"]): r for r in records if r["impl"] in ("online", "online_mgpu")}
   certified = any(r.get("certified") is not None for r in records)
   lines = [f"| case | pass | impl | ms | [min, max] | {value} | vs online |{' certified |' if certified else ''}",
            f"|---|---|---|---|---|---|---|{'---|' if certified else ''}"]
   for r in records:
-    ratio = base.get((r["case"], r["pass"], online_baseline(r["impl"])))
+    b = base.get((r["case"], r["pass"], online_baseline(r["impl"])))
     rate, cert = r.get(value), r.get("certified")
+    if b is None:
+      speed = "—"
+    elif b.get("samples_ms") and len(b["samples_ms"]) == len(r.get("samples_ms") or ()):
+      med, lo, hi = paired_ratio(b["samples_ms"], r["samples_ms"])
+      speed = f"{med:.3f}× [{lo:.3f}, {hi:.3f}]"
+    else:
+      speed = f"{b['ms'] / r['ms']:.3f}×"
     lines.append(f"| {r['case']} | {r['pass']} | {r['impl']} | {r['ms']:.3f} | [{r['ms_min']:.3f}, {r['ms_max']:.3f}] "
-                 f"| {'—' if rate is None else f'{rate:.4g}'} | {'—' if ratio is None else f'{ratio / r['ms']:.3f}×'} |"
+                 f"| {'—' if rate is None else f'{rate:.4g}'} | {speed} |"
                  + ((" — |" if cert is None else f" {cert:.3f} |") if certified else ""))
   return "\n".join(lines) + "\n"
 

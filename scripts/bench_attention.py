@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import statistics
 
 import jax
 import jax.numpy as jnp
@@ -448,17 +449,18 @@ def main():
         del variants[key]
     certified = {name: _certified_fraction(q, k, v, seg, c["causal"], name, args.quick, **features, **sinks)
                  for name, _ in variants if name in CERTIFYING}
-    timings = benchmarking.interleaved_medians({f"{n}|{p}": fn for (n, p), fn in variants.items()},
+    samples = benchmarking.interleaved_samples({f"{n}|{p}": fn for (n, p), fn in variants.items()},
                                                repeats=args.repeats, inner=args.inner)
     flops = 2 * c["b"] * c["hq"] * c["s"] ** 2 * (c["d"] + dv) * (0.5 if c["causal"] else 1.0)
-    for key, (med, lo, hi) in timings.items():
+    for key, ms in samples.items():
       name, pass_ = key.split("|")
+      med, lo, hi = statistics.median(ms), min(ms), max(ms)
       work = flops * {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}[pass_]
       records.append(dict(case=c["case"], impl=name, **{"pass": pass_}, ms=med, ms_min=lo, ms_max=hi,
                           tflops=None if name.endswith("prepass") else work / med / 1e9, B=c["b"], S=c["s"], Hq=c["hq"], Hkv=c["hkv"], D=c["d"], Dv=dv,
                           causal=c["causal"], packed=c["packed"], inputs=c["inputs"], window=args.window,
                           softcap=args.softcap, sinks=args.sinks if takes_sinks(name) else None,
-                          certified=certified.get(name), repeat=args.repeats, inner=args.inner, **meta))
+                          certified=certified.get(name), repeat=args.repeats, inner=args.inner, samples_ms=ms, **meta))
       print(f"{c['case']} {pass_} {name}: {med:.3f} ms [{lo:.3f}, {hi:.3f}] certified {certified.get(name)}",
             flush=True)  # as each case ends, so a run cut by its time limit still reports what it measured
   out = args.out or benchmarking.default_output(f"attention_{'quick' if args.quick else args.suite}")

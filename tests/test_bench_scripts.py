@@ -8,6 +8,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 from clis_kernels.testing import CASES
 
 ROOT = pathlib.Path(__file__).parent.parent
@@ -175,3 +177,18 @@ def test_interleaved_rounds_rotate_so_every_variant_takes_every_position():
   timings = benchmarking.interleaved_medians(fns, repeats=3, inner=2, warmup=1)
   assert calls[3:] == [n for order in orders[:3] for n in order for _ in range(2)]  # after one warm-up call each
   assert set(timings) == set("abc") and all(lo <= med <= hi for med, lo, hi in timings.values())
+
+
+def test_speed_against_online_pairs_the_rounds_when_both_keep_samples():
+  from clis_train import benchmarking
+  med, lo, hi = benchmarking.paired_ratio([10.0, 20.0, 10.0], [5.0, 20.0, 8.0])
+  assert (med, lo, hi) == (1.25, 1.0, 2.0)
+  row = dict(case="c", **{"pass": "fwd"}, ms_min=1.0, ms_max=1.0, tflops=1.0)
+  records = [dict(row, impl="online", ms=10.0, samples_ms=[10.0, 20.0, 10.0]),
+             dict(row, impl="clis", ms=8.0, samples_ms=[5.0, 20.0, 8.0]),
+             dict(row, impl="cudnn", ms=12.5)]  # no samples: the ratio of the medians
+  table = benchmarking.markdown_table(records)
+  assert "| clis | 8.000 | [1.000, 1.000] | 1 | 1.250× [1.000, 2.000] |" in table
+  assert "| cudnn | 12.500 | [1.000, 1.000] | 1 | 0.800× |" in table
+  with pytest.raises(ValueError, match="same rounds"):
+    benchmarking.paired_ratio([1.0], [1.0, 2.0])
