@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import statistics
 
 import jax
 import jax.numpy as jnp
@@ -120,16 +121,17 @@ def main():
   for s in args.seq_lens:
     b = max(1, args.tokens // s)
     fns = _case(b, s, hq, hkv, d, causal, args.packed, args.fused, dv=dv, softcap=args.softcap, overlap=args.overlap)
-    timings = benchmarking.interleaved_medians(fns, repeats=args.repeats, inner=args.inner)
+    samples = benchmarking.interleaved_samples(fns, repeats=args.repeats, inner=args.inner)
     per_dim = 2 * b * hq * s * s * (0.5 if causal else 1.0)  # one matmul's FLOPs per unit of head dim
     case = (f"bwd_parts_{'causal' if causal else 'bidir'}{'_packed' if args.packed else ''}_H{hq}-{hkv}_D{d}"
             f"{'' if dv == d else f'_Dv{dv}'}{'' if args.softcap is None else f'_cap{args.softcap:g}'}_S{s}")
-    for name, (med, lo, hi) in timings.items():
+    for name, ms in samples.items():  # each round's samples stay in the JSON: orders compare round by round
+      med, lo, hi = statistics.median(ms), min(ms), max(ms)
       dims = work_dims(name, d, dv)
       tflops = None if dims is None else dims * per_dim / med / 1e9
       records.append(dict(case=case, impl=name, **{"pass": "bwd"}, ms=med, ms_min=lo, ms_max=hi, tflops=tflops, B=b,
                           S=s, Hq=hq, Hkv=hkv, D=d, Dv=dv, causal=causal, packed=args.packed, fused=args.fused,
-                          repeat=args.repeats, inner=args.inner, **meta))
+                          repeat=args.repeats, inner=args.inner, samples_ms=ms, **meta))
       print(f"{case} {name}: {med:.3f} ms [{lo:.3f}, {hi:.3f}]" + ("" if tflops is None else f"  {tflops:.0f} TFLOP/s"),
             flush=True)
   out = args.out or benchmarking.default_output("profile_backward")
