@@ -48,10 +48,15 @@ def interleaved_samples(fns: dict[str, Callable[[], object]], *, repeats: int, i
   return samples
 
 
+def spread(samples: list[float]) -> tuple[float, float, float]:
+  """(median, min, max) of one variant's samples: what every table reports."""
+  return statistics.median(samples), min(samples), max(samples)
+
+
 def interleaved_medians(fns: dict[str, Callable[[], object]], *, repeats: int, inner: int, warmup: int = 3):
   """{name: (median_ms, min_ms, max_ms)} of one call of each zero-argument function (`interleaved_samples`)."""
   samples = interleaved_samples(fns, repeats=repeats, inner=inner, warmup=warmup)
-  return {name: (statistics.median(s), min(s), max(s)) for name, s in samples.items()}
+  return {name: spread(s) for name, s in samples.items()}
 
 
 def paired_ratio(base_ms: list[float], ms: list[float]) -> tuple[float, float, float]:
@@ -59,8 +64,7 @@ def paired_ratio(base_ms: list[float], ms: list[float]) -> tuple[float, float, f
   that moves both variants of one round cancels, which a ratio of two medians does not."""
   if len(base_ms) != len(ms) or not ms:
     raise ValueError(f"paired_ratio needs samples from the same rounds: got {len(base_ms)} and {len(ms)}")
-  ratios = [b / m for b, m in zip(base_ms, ms)]
-  return statistics.median(ratios), min(ratios), max(ratios)
+  return spread([b / m for b, m in zip(base_ms, ms)])
 
 
 def device_meta() -> dict:

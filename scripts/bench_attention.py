@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import statistics
 
 import jax
 import jax.numpy as jnp
@@ -454,7 +453,7 @@ def main():
     flops = 2 * c["b"] * c["hq"] * c["s"] ** 2 * (c["d"] + dv) * (0.5 if c["causal"] else 1.0)
     for key, ms in samples.items():
       name, pass_ = key.split("|")
-      med, lo, hi = statistics.median(ms), min(ms), max(ms)
+      med, lo, hi = benchmarking.spread(ms)
       work = flops * {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}[pass_]
       records.append(dict(case=c["case"], impl=name, **{"pass": pass_}, ms=med, ms_min=lo, ms_max=hi,
                           tflops=None if name.endswith("prepass") else work / med / 1e9, B=c["b"], S=c["s"], Hq=c["hq"], Hkv=c["hkv"], D=c["d"], Dv=dv,

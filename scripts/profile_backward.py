@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import statistics
 
 import jax
 import jax.numpy as jnp
@@ -126,7 +125,7 @@ def main():
     case = (f"bwd_parts_{'causal' if causal else 'bidir'}{'_packed' if args.packed else ''}_H{hq}-{hkv}_D{d}"
             f"{'' if dv == d else f'_Dv{dv}'}{'' if args.softcap is None else f'_cap{args.softcap:g}'}_S{s}")
     for name, ms in samples.items():  # each round's samples stay in the JSON: orders compare round by round
-      med, lo, hi = statistics.median(ms), min(ms), max(ms)
+      med, lo, hi = benchmarking.spread(ms)
       dims = work_dims(name, d, dv)
       tflops = None if dims is None else dims * per_dim / med / 1e9
       records.append(dict(case=case, impl=name, **{"pass": "bwd"}, ms=med, ms_min=lo, ms_max=hi, tflops=tflops, B=b,

@@ -8,9 +8,11 @@ import pathlib
 import subprocess
 import sys
 
+import jax.numpy as jnp
 import pytest
 
 from clis_kernels.testing import CASES
+from clis_train import benchmarking
 
 ROOT = pathlib.Path(__file__).parent.parent
 REQUIRED = {"case", "impl", "pass", "ms", "B", "S", "Hq", "Hkv", "D", "causal", "device", "jax_version", "repeat"}
@@ -168,8 +170,6 @@ def test_profile_backward_names_each_kernel_order():
 
 
 def test_interleaved_rounds_rotate_so_every_variant_takes_every_position():
-  from clis_train import benchmarking
-  import jax.numpy as jnp
   orders = benchmarking.round_orders(["a", "b", "c"], repeats=4)
   assert orders == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
   calls = []
@@ -180,7 +180,6 @@ def test_interleaved_rounds_rotate_so_every_variant_takes_every_position():
 
 
 def test_speed_against_online_pairs_the_rounds_when_both_keep_samples():
-  from clis_train import benchmarking
   med, lo, hi = benchmarking.paired_ratio([10.0, 20.0, 10.0], [5.0, 20.0, 8.0])
   assert (med, lo, hi) == (1.25, 1.0, 2.0)
   row = dict(case="c", **{"pass": "fwd"}, ms_min=1.0, ms_max=1.0, tflops=1.0)
