@@ -73,6 +73,18 @@ def _tokamax(implementation):
                                                                            implementation=implementation, **kw)
 
 
+def _tokamax_grid(persistent: bool):
+  """tokamax's Mosaic GPU forward with its grid chosen: persistent (one CTA per SM walking (head, q tile) pairs, what
+  its heuristics pick for masks other than plain causal, windows included) or one CTA per q tile. The other tunables
+  are its heuristics' (block_q 64, 128 keys a block below head dim 256 and 64 at 256, two stages): which part of its
+  lead at windowed head dim 256 the persistent grid gives (notes/kernels.md, "Next device runs")."""
+  from tokamax._src.ops.attention import pallas_mosaic_gpu as tk  # optional
+  def run(q, k, v, seg, causal, **kw):
+    config = tk.ConfigSM90(block_q=64, block_kv=128 if q.shape[-1] < 256 else 64, num_stages=2, persistent=persistent)
+    return _tokamax(tk.PallasMosaicGpuFlashAttention(config=config))(q, k, v, seg, causal, **kw)
+  return run
+
+
 def _splash(q, k, v, seg, causal):
   """Splash attention (TPU only): [B, S, H, D] in, kernels built per call shape."""
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
@@ -129,10 +141,11 @@ FEATURED = ("clis", "online", "clis_blocks", "clis_radius", "clis_cap", "clis_mg
             "online_mgpu", "clis_mgpu_triton_bwd", "online_mgpu_triton_bwd", "clis_exp2_tanh", "online_exp2_tanh",
             "online_heads1", "online_heads2", "online_heads4", "online_heads8", "tokamax_mosaic", "tokamax_triton",
             "online_four_warps", "clis_mgpu_four_warps", "online_overlap_bwd", "online_serial_bwd",
-            "online_dq_overlap_bwd", "online_twin")
+            "online_dq_overlap_bwd", "online_twin", "tokamax_persistent", "tokamax_streamed")
 
 
-SINKLESS = ("cudnn", "tokamax_mosaic", "tokamax_triton", "tokamax_k_start", "splash")  # entry points with no sinks
+SINKLESS = ("cudnn", "tokamax_mosaic", "tokamax_triton", "tokamax_k_start", "tokamax_persistent", "tokamax_streamed",
+            "splash")  # entry points with no sinks
 
 
 def sink_logits(mean: float, heads: int):
@@ -294,6 +307,11 @@ def implementations(names, platform, quick):
     for heads in (1, 2, 4, 8):
       table[f"online_heads{heads}"] = functools.partial(_heads_per_cta, stabilizer="online", heads=heads)
     table["tokamax_k_start"] = _tokamax_k_start
+    for name, persistent in (("tokamax_persistent", True), ("tokamax_streamed", False)):
+      try:
+        table[name] = _tokamax_grid(persistent)
+      except ImportError:  # noted below as not installed
+        pass
   fns, notes = {}, []
   for name in names:
     if name == "cudnn" and platform != "gpu":

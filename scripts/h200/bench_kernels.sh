@@ -58,6 +58,9 @@
 #   wide_heads         heads_per_cta at head dim 256 (no q prefetch there): GPU tests, then Gemma 2's GQA 16/8 causal 8k
 #                      and 32k fwd and fwd+bwd, and Gemma 3 1B's GQA 4/1 with a 512-key window fwd, 1 / 2 (/ 4) heads
 #                      per CTA against cuDNN
+#   tokamax_grid       how much of tokamax's forward lead at Gemma 2's local layer (D 256, cap 50, window 4096, GQA 16/8)
+#                      its persistent grid gives: tokamax_mosaic (its heuristics: persistent with a window), persistent
+#                      and one CTA per q tile, against ours (online), 8k and 32k; then D 128 (GQA 32/8) window 4096
 #   context_parallel [N]  context-parallel attention over N GPUs (default 1: the machinery's cost on one) against
 #                      one GPU, CLiS combine against an online ring: causal 32k GQA 32/8 D 128, sinks
 case "$1" in
@@ -223,6 +226,13 @@ case "$1" in
     TAIL=14 step d128_twin 120 python3 scripts/bench_attention.py --suite llm --seq-lens 8192 32768 --tokens 32768 \
         --causal yes --packed no --inputs sinks_many --passes bwd fwd_bwd --impls online online_twin cudnn \
         --repeats 6 --inner 3 --out "$OUT/d128_twin.json" ;;
+  tokamax_grid)
+    grid=(--causal yes --packed no --inputs sinks_many --passes fwd --repeats 7 --inner 3 --tokens 32768
+          --seq-lens 8192 32768 --impls online tokamax_mosaic tokamax_persistent tokamax_streamed)
+    TAIL=8 step grid_gemma2 150 python3 scripts/bench_attention.py --suite llm --llm-heads 16 8 256 --softcap 50 \
+        --window 4096 "${grid[@]}" --out "$OUT/grid_gemma2.json"
+    TAIL=8 step grid_w4096_d128 100 python3 scripts/bench_attention.py --suite llm --window 4096 "${grid[@]}" \
+        --out "$OUT/grid_w4096_d128.json" ;;
   wide_heads)
     TAIL=6 step wide_heads_tests 200 timeout -s INT 190 $GPU_TEST tests/test_pallas_mgpu.py -k "heads_per_cta" \
         --durations 3
