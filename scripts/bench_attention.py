@@ -81,7 +81,7 @@ def _tokamax_grid(persistent: bool):
   from tokamax._src.ops.attention import pallas_mosaic_gpu as tk  # optional
   def run(q, k, v, seg, causal, **kw):
     config = tk.ConfigSM90(block_q=64, block_kv=128 if q.shape[-1] < 256 else 64, num_stages=2, persistent=persistent)
-    return _tokamax(tk.PallasMosaicGpuFlashAttention(config=config))(q, k, v, seg, causal, **kw)
+    return _tokamax((tk.PallasMosaicGpuFlashAttention(config=config),))(q, k, v, seg, causal, **kw)
   return run
 
 
