@@ -623,20 +623,23 @@ def default_block_sizes(head_dim: int, seq_len: int, dtype, *, softcap: float | 
   inputs; BENCHMARKS.md §1, "Each backward kernel's step order"), chosen from each kernel timed alone:
   - overlap_dq everywhere but with a cap at D 128 (and MLA's dims) below LONG_ROWS (alone: 1.07-1.12x without a
     cap; 0.91x at 8k, 1.06x at 32k with cap 50).
-  - overlap_dkv with a cap (D 128 whole: 1.08 / 1.23x the dQ overlap alone, 8k / 32k; D 256 with a 4096 window:
-    1.08x at 8k, 0.98x at 32k, so there below LONG_ROWS), and at MLA's dims below LONG_ROWS (whole at 16k: 1.06x;
-    alone 1.14x at 8k, 0.85x at 32k); not at D 128 or 256 without a cap (alone 0.94-0.98x; 1.02 / 0.94x).
-  - dv_with_dp only where D 256 overlaps its dK/dV kernel, the order measured there (the wide kernel's only one until
-    2026-12-07); elsewhere off: 1.02-1.03x at D 128 alone, 0.96x in the whole backward at 32k."""
+  - overlap_dkv with a cap at D 128 (whole: 1.08 / 1.23x the dQ overlap alone, 8k / 32k) and at MLA's dims below
+    LONG_ROWS (whole at 16k: 1.06x; alone 1.14x at 8k, 0.85x at 32k); not at D 128 without a cap (alone 0.94-0.98x).
+  - D 256: both kernels overlapped with dV issued with dK, at every length, with or without a cap (H100, 2026-12-07,
+    sink inputs, whole fwd+bwd against the orders before: 1.119 / 1.070x without a cap at 8k / 32k, 1.088 / 1.134x with
+    Gemma 2's cap 50 and 4096 window; BENCHMARKS.md §1, "The wide dK/dV kernel with dV issued with dK").
+  - dv_with_dp (tokamax's dK/dV order) nowhere: 1.02-1.03x at D 128 alone, 0.96x in the whole backward at 32k; the wide
+    dK/dV kernel alone with it 0.78 / 0.87x the same kernel with dV issued with dK (overlapped, 8k / 32k)."""
   del dtype
   if head_dim <= FUSED_MAX_HEAD_DIM:
     return BlockSizes(fused_dq=True)
-  capped, wide, long = softcap is not None, head_dim in WIDE_HEAD_DIMS, seq_len >= LONG_ROWS
-  if capped and not wide:
+  capped, long = softcap is not None, seq_len >= LONG_ROWS
+  if head_dim in WIDE_HEAD_DIMS:
+    return BlockSizes(overlap_dq=True, overlap_dkv=True)
+  if capped:
     return BlockSizes(overlap_dq=long, overlap_dkv=True)
   split = head_dim in (d for d, _ in SPLIT_HEAD_DIMS)
-  overlap_dkv = (capped or split) and not long
-  return BlockSizes(overlap_dq=True, overlap_dkv=overlap_dkv, dv_with_dp=overlap_dkv and wide)
+  return BlockSizes(overlap_dq=True, overlap_dkv=split and not long)
 
 
 def takes_head_dims(head_dim: int, value_head_dim: int) -> bool:
