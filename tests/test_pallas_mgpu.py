@@ -132,8 +132,6 @@ HEADS_PER_CTA_CASES = [
     (True, 200, 128, True, {}, 2),
     (False, 256, 64, True, dict(local_window_size=(40, 70), logits_soft_cap=20.0), 4),
     (True, 256, 128, True, dict(local_window_size=64), 2),
-    (True, 256, 256, False, {}, 2),  # no q prefetch above 128: each head loads its q tile after the last one's o
-    (False, 256, 256, True, dict(local_window_size=(40, 70), logits_soft_cap=20.0), 4),
 ]
 
 
@@ -171,14 +169,18 @@ def test_auto_heads_per_cta_walks_the_group_for_narrow_online_windows():
     (3, dict(stabilizer="online"), "must divide the query heads per kv head"),
     (2, dict(stabilizer="clis"), "runs the online loop only"),
     (0, dict(stabilizer="online"), "must be at least 1"),
+    (2, dict(stabilizer="online", d=256), "takes head dims up to 128 \\(got 256"),
 ])
 def test_heads_per_cta_gives_clear_errors(heads, kw, message):
-  """heads_per_cta must divide the GQA group and runs the online loop only; each refusal names what to do."""
-  q = jax.ShapeDtypeStruct((1, 256, 8, 64), jnp.bfloat16)
-  k = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
+  """heads_per_cta must divide the GQA group, runs the online loop only and head dims up to 128; each refusal names
+  what to do."""
+  kw = dict(kw)
+  d = kw.pop("d", 64)
+  q = jax.ShapeDtypeStruct((1, 256, 8, d), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, 256, 2, d), jnp.bfloat16)
   with pytest.raises(ValueError, match=message):
     fwd = lambda q, k, v: attention(q, k, v, causal=True, implementation="pallas_mgpu", platform=HOPPER,
-                                    block_sizes=pallas_mgpu.BlockSizes(heads_per_cta=heads), **kw)
+                                    block_sizes=_heads_tiles(d, heads), **kw)
     jax.eval_shape(fwd, q, k, k)
 
 

@@ -87,8 +87,7 @@ class BlockSizes:
   heads_per_cta: query heads of one GQA group a CTA walks one after another (the online loop only): the memory
   warpgroup streams the same K/V blocks for each, and each head's q tile is loaded while the one before runs. For
   calls with few KV blocks per CTA, where a CTA's fixed costs (launch, first loads, the epilogue's store) are not
-  hidden behind its loop. None (default): `auto_heads_per_cta`. Above head dim 128 each head's q tile loads after the
-  head before has stored its o (Q_PREFETCH_MAX_HEAD_DIM); the K/V stream still runs on across heads.
+  hidden behind its loop. None (default): `auto_heads_per_cta`. Head dims up to HEADS_PER_CTA_MAX_HEAD_DIM.
   one_memory_warp: only the memory warpgroup's first warp streams the K/V blocks (mgpu_pipeline.stream_blocks), as
   tokamax's forward does; the other three then issue nothing on the schedulers they share with the compute warps. H200,
   2026-12-04, causal GQA 32/8 D 128, online: forward 1.018 / 1.017x four streaming warps at 8k / 32k (ncu at 8k: 281.5M
@@ -259,18 +258,19 @@ def first_kv_blocks(segment_ids, *, cta_rows: int, block_kv: int):
 
 HEADS_PER_CTA_WINDOW = 1024  # auto_heads_per_cta: windows at most this many keys wide (left + right + 1)
 HEADS_PER_CTA_MAX = 8
-# heads_per_cta prefetches the next head's q tile up to this head dim; at 256 two q tiles per warpgroup (2 · 2 · 64 ·
-# 256 · 2 bytes) do not fit beside K and V, so each head loads its own once the head before has stored o
-Q_PREFETCH_MAX_HEAD_DIM = 128
+# heads_per_cta keeps two q tiles per compute warpgroup (the next head's loads during this one's loop); at 256 they
+# (2 · 2 · 64 · 256 · 2 bytes) do not fit beside K and V. A form without that prefetch hung on an H100 at 256
+# (2026-12-07: its GPU tests and the forward timed out; notes/kernels.md) and was withdrawn.
+HEADS_PER_CTA_MAX_HEAD_DIM = 128
 
 
 def auto_heads_per_cta(*, mode: str, group: int, window, listed: bool, split_dims: bool, head_dim: int) -> int:
   """The default heads_per_cta: the largest divisor of the GQA group up to 8 for online calls with a window at most
   HEADS_PER_CTA_WINDOW keys wide, else 1. H200, 2026-12-03 (BENCHMARKS.md §1): window 128 at GQA 64/8 D 64, forward
   1.32× / 1.38× one head per CTA at 8 heads (8k / 32k rows); window 1024 at GQA 32/8 D 128, 1.07× / 1.03× at 4;
-  window 4096 and plain causal 2k rows: within ±4%, so they keep one. Head dims above 128 keep one: there the next
-  head's q tile cannot load during this one's loop (Q_PREFETCH_MAX_HEAD_DIM), and that form is not yet timed."""
-  if (mode != "online" or listed or split_dims or head_dim > Q_PREFETCH_MAX_HEAD_DIM or window is None
+  window 4096 and plain causal 2k rows: within ±4%, so they keep one. Head dims above HEADS_PER_CTA_MAX_HEAD_DIM keep
+  one."""
+  if (mode != "online" or listed or split_dims or head_dim > HEADS_PER_CTA_MAX_HEAD_DIM or window is None
       or sum(window) + 1 > HEADS_PER_CTA_WINDOW):
     return 1
   return max(n for n in range(1, HEADS_PER_CTA_MAX + 1) if group % n == 0)
@@ -287,6 +287,9 @@ def _check_heads_per_cta(c: Config, q, v):
   if q.shape[-1] != v.shape[-1]:
     raise ValueError(f"heads_per_cta={c.heads} needs q and v of one head dim (got {q.shape[-1]} and {v.shape[-1]}): "
                      "use heads_per_cta=1")
+  if q.shape[-1] > HEADS_PER_CTA_MAX_HEAD_DIM:
+    raise ValueError(f"heads_per_cta={c.heads} takes head dims up to {HEADS_PER_CTA_MAX_HEAD_DIM} (got {q.shape[-1]}: "
+                     "two q tiles per warpgroup do not fit beside K and V there): use heads_per_cta=1")
 
 
 def _launch(q, k, v, segment_ids, stab, *, mode: Mode, causal, scale, kv_len, block_sizes: BlockSizes, interpret,
@@ -315,7 +318,7 @@ def _launch(q, k, v, segment_ids, stab, *, mode: Mode, causal, scale, kv_len, bl
   if heads is None:
     heads = auto_heads_per_cta(mode=mode, group=config.group, window=config.window, listed=config.listed,
                                split_dims=q.shape[-1] != v.shape[-1], head_dim=q.shape[-1])
-  config = dataclasses.replace(config, heads=heads, q_prefetch=heads > 1 and q.shape[-1] <= Q_PREFETCH_MAX_HEAD_DIM)
+  config = dataclasses.replace(config, heads=heads)
   if config.heads > 1:
     _check_heads_per_cta(config, q, v)
   args = [q, k, v]

@@ -58,7 +58,6 @@ class Config:
   cap2: float | None = None  # base-2 soft cap c·log2 e of c·tanh(s / c), or None
   tanh: str = "approx"  # BlockSizes.soft_cap_tanh
   heads: int = 1  # BlockSizes.heads_per_cta
-  q_prefetch: bool = False  # heads > 1: the next head's q tile loads during this head's loop (`_q_parities`)
   sinks: bool = False  # learned sink logits: the epilogue adds each head's term to the rows' sums (`_add_sink`)
   one_memory_warp: bool = True  # BlockSizes.one_memory_warp
 
@@ -213,9 +212,9 @@ def _scratch(c: Config, dtype, head_dim: int, value_head_dim: int):
 
 
 def _q_parities(c: Config) -> int:
-  """q tiles in flight per compute warpgroup: two when the CTA walks several heads and a second fits (the next one
-  loads while this one runs), else one (each head loads its own after the head before stored o from that buffer)."""
-  return 2 if c.q_prefetch else 1
+  """q tiles in flight per compute warpgroup: two when the CTA walks several heads (the next one loads while this one
+  runs), else one."""
+  return 2 if c.heads > 1 else 1
 
 
 def kernel(q_ref, k_ref, v_ref, *refs, config: Config):
@@ -291,8 +290,7 @@ def kernel(q_ref, k_ref, v_ref, *refs, config: Config):
       if c.heads == 1:
         walk(head=head)
       else:  # head h0 + j's steps follow head h0 + j − 1's in the memory warpgroup's stream
-        if c.q_prefetch:
-          _load_q(c, g, s, buf=wg, batch=batch, head=head, row0=cta_row0 + wg * c.block_q)
+        _load_q(c, g, s, buf=wg, batch=batch, head=head, row0=cta_row0 + wg * c.block_q)
         int32_loop(0, c.heads, lambda j, _: walk(head=head + j, nth=j), None)
 
     @pl.when(wg == COMPUTE_WARPGROUPS)
@@ -369,16 +367,14 @@ def _q_buffer(nth, wg):
 def _compute_warpgroup(c: Config, g: Refs, s: Scratch, ks, ss, ls, *, wg, batch, head, kv_head, cta_row0,
                        cta_blocks, turns, block_of, first_block=0, nth=None):
   """Prologue (loads, then the certificate or the XLA one's M), the KV loop it allows, the epilogue.
-  nth: with heads_per_cta, which of the CTA's heads this is (with q_prefetch its q tile was loaded by the one
-  before, which loads the next's now)."""
+  nth: with heads_per_cta, which of the CTA's heads this is (its q tile was loaded by the one before, which loads the
+  next's now)."""
   row0 = cta_row0 + wg * c.block_q
   q_buf, base = wg, 0
-  if nth is not None and c.q_prefetch:
+  if nth is not None:
     q_buf, base = _q_buffer(nth, wg), nth * cta_blocks
     pl.when(nth + 1 < c.heads)(lambda: _load_q(c, g, s, buf=_q_buffer(nth + 1, wg), batch=batch, head=head + 1,
                                                 row0=row0))
-  elif nth is not None:
-    base = nth * cta_blocks
   q_smem, rows = s.qo.at[q_buf], s.rows.at[wg]
   lead = 0  # steps [0, lead) take the window's mask (its band's first blocks)
   if c.window is not None:  # both warpgroups walk the CTA's band (no drain), the mask at its edges only
@@ -392,7 +388,7 @@ def _compute_warpgroup(c: Config, g: Refs, s: Scratch, ks, ss, ls, *, wg, batch,
     full, total = _kv_range(c, g, row0, c.block_q)
   if c.doc_ranges:  # steps count from the CTA's first block (launch clamps it to at most full)
     full, total = full - first_block, total - first_block
-  if nth is None or not c.q_prefetch:  # with q_prefetch the head before loaded it
+  if nth is None:  # with heads_per_cta the head before loaded it
     _load_q(c, g, s, buf=wg, batch=batch, head=head, row0=row0)
   if c.mode == "cert":
     plgpu.copy_gmem_to_smem(g.m.at[batch, head, pl.ds(row0, c.block_q)], rows, s.m_ready.at[wg])

@@ -51,13 +51,10 @@
 #                      cap 50, online_serial_bwd at D 256 and MLA) and cuDNN or tokamax: D 128 and cap 50 8k/32k,
 #                      MLA 8k/16k/32k, D 256 8k/32k
 #   wide_orders [more]  the wide (D 256) dK/dV kernel's orders and the D 256 forward: GPU tests of dV behind dP in
-#                      every dK/dV kernel and of heads_per_cta, each D 256 backward kernel alone in every order (8k, 32k;
-#                      with "more" also with cap 50), the D 256 forward alone (one and two heads per CTA) against cuDNN
-#                      and tokamax (sink inputs), and D 128 bwd / fwd+bwd with the default timed twice (online_twin: the
-#                      spread between identical versions) against cuDNN, 8k and 32k
-#   wide_heads         heads_per_cta at head dim 256 (no q prefetch there): GPU tests, then Gemma 2's GQA 16/8 causal 8k
-#                      and 32k fwd and fwd+bwd, and Gemma 3 1B's GQA 4/1 with a 512-key window fwd, 1 / 2 (/ 4) heads
-#                      per CTA against cuDNN
+#                      every dK/dV kernel, each D 256 backward kernel alone in every order (8k, 32k; with "more" also
+#                      with cap 50), the D 256 forward alone (the default timed twice) against cuDNN and tokamax (sink
+#                      inputs), and D 128 bwd / fwd+bwd with the default timed twice (online_twin: the spread between
+#                      identical versions) against cuDNN, 8k and 32k
 #   tokamax_grid       how much of tokamax's forward lead at Gemma 2's local layer (D 256, cap 50, window 4096, GQA 16/8)
 #                      its persistent grid gives: tokamax_mosaic (its heuristics: persistent with a window), persistent
 #                      and one CTA per q tile, against ours (online), 8k and 32k; then D 128 (GQA 32/8) window 4096
@@ -214,12 +211,11 @@ case "$1" in
         --seq-lens 8192 32768 --impls online online_serial_bwd cudnn "${common[@]}" --out "$OUT/orders_d256.json" ;;
   wide_orders)
     parts=(python3 scripts/profile_backward.py --seq-lens 8192 32768 --overlap --repeats 5 --heads 16 8 256)
-    TAIL=6 step wide_tests 200 timeout -s INT 190 $GPU_TEST tests/test_pallas_mgpu.py -k "dv_behind or heads_per_cta" \
-        --durations 3
+    TAIL=6 step wide_tests 120 timeout -s INT 110 $GPU_TEST tests/test_pallas_mgpu.py -k "dv_behind" --durations 3
     TAIL=12 step wide_parts 110 "${parts[@]}" --out "$OUT/wide_parts.json"
     TAIL=10 step wide_fwd 120 python3 scripts/bench_attention.py --suite llm --llm-heads 16 8 256 --seq-lens 8192 32768 \
         --tokens 32768 --causal yes --packed no --inputs sinks_many --passes fwd \
-        --impls online online_heads2 cudnn tokamax_mosaic --repeats 7 --inner 3 --out "$OUT/wide_fwd.json"
+        --impls online online_twin cudnn tokamax_mosaic --repeats 7 --inner 3 --out "$OUT/wide_fwd.json"
     if [ "$2" = more ]; then
       TAIL=12 step wide_parts_cap50 110 "${parts[@]}" --softcap 50 --out "$OUT/wide_parts_cap50.json"
     fi
@@ -233,15 +229,6 @@ case "$1" in
         --window 4096 "${grid[@]}" --out "$OUT/grid_gemma2.json"
     TAIL=8 step grid_w4096_d128 100 python3 scripts/bench_attention.py --suite llm --window 4096 "${grid[@]}" \
         --out "$OUT/grid_w4096_d128.json" ;;
-  wide_heads)
-    TAIL=6 step wide_heads_tests 200 timeout -s INT 190 $GPU_TEST tests/test_pallas_mgpu.py -k "heads_per_cta" \
-        --durations 3
-    TAIL=12 step wide_heads_causal 150 python3 scripts/bench_attention.py --suite llm --llm-heads 16 8 256 \
-        --seq-lens 8192 32768 --tokens 32768 --causal yes --packed no --inputs sinks_many --passes fwd fwd_bwd \
-        --impls online_heads1 online_heads2 cudnn --repeats 7 --inner 3 --out "$OUT/wide_heads_causal.json"
-    TAIL=8 step wide_heads_w512 100 python3 scripts/bench_attention.py --suite llm --llm-heads 4 1 256 --window 512 \
-        --seq-lens 8192 32768 --tokens 32768 --causal yes --packed no --inputs sinks_many --passes fwd \
-        --impls online_heads1 online_heads2 online_heads4 cudnn --repeats 7 --inner 3 --out "$OUT/wide_heads_w512.json" ;;
   kernels_apart)
     parts=(python3 scripts/profile_backward.py --seq-lens 8192 32768 --overlap --repeats 5)
     if [ "$2" = more ]; then
