@@ -136,7 +136,8 @@ def _clis_kernel(q, k, v, seg, causal, quick):
 
 
 # What takes --window / --softcap (as jax.nn's local_window_size / logits_soft_cap keywords)
-FEATURED = ("clis", "online", "clis_blocks", "clis_radius", "clis_cap", "clis_mgpu_cap", "clis_cap_tc_sum", "xla",
+FEATURED = ("clis", "online", "clis_blocks", "clis_radius", "clis_cap", "clis_mgpu_cap", "clis_cap_tc_sum",
+            "clis_cap_unrounded", "xla",
             "cudnn", "clis_triton", "online_triton", "clis_mgpu",
             "online_mgpu", "clis_mgpu_triton_bwd", "online_mgpu_triton_bwd", "clis_exp2_tanh", "online_exp2_tanh",
             "online_heads1", "online_heads2", "online_heads4", "online_heads8", "tokamax_mosaic", "tokamax_triton",
@@ -239,6 +240,15 @@ def _rounded_lse(q, k, v, seg, causal, stabilizer):
                    block_sizes=pallas_mgpu.BlockSizes(exact_lse=False))
 
 
+def _cap_unrounded(q, k, v, seg, causal, **kw):
+  """The soft cap's bound (bound="cap") on the Mosaic GPU forward summing the unrounded weights
+  (BlockSizes(exact_sum=False)): tokamax's arithmetic for a capped call (no running max, one unrounded sum), less
+  accurate than the default on real activations (BENCHMARKS.md, "the certified loop's normaliser"); for timing only."""
+  tiles = pallas_mgpu.default_block_sizes(q.shape[-1], q.shape[1], q.dtype)
+  return attention(q, k, v, seg, causal=causal, bound="cap", implementation="pallas_mgpu",
+                   block_sizes=dataclasses.replace(tiles, exact_sum=False), **kw)
+
+
 def _cap_tc_sum(q, k, v, seg, causal, **kw):
   """The soft cap's bound (bound="cap") on the Mosaic GPU forward with the rounded weights' sum on the tensor cores
   (BlockSizes(sum_on_tensor_cores=True))."""
@@ -298,6 +308,7 @@ def implementations(names, platform, quick):
       table[f"{stab}_rounded_lse"] = functools.partial(_rounded_lse, stabilizer=stab)
     table["clis_mgpu_cap"] = functools.partial(_named, stabilizer="clis", implementation="pallas_mgpu", bound="cap")
     table["clis_cap_tc_sum"] = _cap_tc_sum
+    table["clis_cap_unrounded"] = _cap_unrounded
     table["online_overlap_bwd"] = functools.partial(_bwd_order, stabilizer="online", overlap_dq=True, overlap_dkv=True)
     table["online_serial_bwd"] = functools.partial(_bwd_order, stabilizer="online", overlap_dq=False, overlap_dkv=False)
     table["online_dq_overlap_bwd"] = functools.partial(_bwd_order, stabilizer="online", overlap_dq=True,
