@@ -60,7 +60,8 @@
 #                      and one CTA per q tile, against ours (online), 8k and 32k; then D 128 (GQA 32/8) window 4096
 #   gemma2_fwd         what separates our forward from tokamax's at Gemma 2's local layer (D 256, cap 50, window 4096, GQA
 #                      16/8), where tokamax's own grid is not the reason: online, the cap's bound (clis_mgpu_cap), the
-#                      cap's bound with tokamax's arithmetic (one unrounded sum: clis_cap_unrounded), tokamax with one
+#                      cap's bound with tokamax's arithmetic (one unrounded sum: clis_cap_unrounded) and with the rounded
+#                      weights' sum on the tensor cores (clis_cap_tc_sum), tokamax with one
 #                      CTA per q tile and its heuristics, 8k and 32k, sink and Gaussian inputs
 #   context_parallel [N]  context-parallel attention over N GPUs (default 1: the machinery's cost on one) against
 #                      one GPU, CLiS combine against an online ring: causal 32k GQA 32/8 D 128, sinks
@@ -230,8 +231,8 @@ case "$1" in
     for inputs in sinks_many gaussian; do
       TAIL=8 step "gemma2_fwd_$inputs" 150 python3 scripts/bench_attention.py --suite llm --llm-heads 16 8 256 \
           --softcap 50 --window 4096 --causal yes --packed no --inputs "$inputs" --passes fwd --repeats 7 --inner 3 \
-          --tokens 32768 --seq-lens 8192 32768 --impls online clis_mgpu_cap clis_cap_unrounded tokamax_streamed \
-          tokamax_mosaic --out "$OUT/gemma2_fwd_$inputs.json"
+          --tokens 32768 --seq-lens 8192 32768 --impls online clis_mgpu_cap clis_cap_unrounded clis_cap_tc_sum \
+          tokamax_streamed tokamax_mosaic --out "$OUT/gemma2_fwd_$inputs.json"
     done ;;
   tokamax_grid)
     grid=(--causal yes --packed no --inputs sinks_many --passes fwd --repeats 7 --inner 3 --tokens 32768
