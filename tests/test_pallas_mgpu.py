@@ -126,30 +126,35 @@ def test_window_and_soft_cap_lower_for_the_gpu(causal, seq, d, packed, kw, backw
   assert text.count("custom_call @mosaic_gpu") == (3 if two_kernels else 2) and "clis_bwd" not in text
 
 
-# causal, seq, head dim, packed, attention keywords, heads per CTA (GQA 8/2: up to 4)
+# causal, seq, head dim, packed, attention keywords, heads per CTA (GQA 8/2: up to 4), block_kv (None: the default).
+# Causal with 64-key blocks: the first warpgroup's range ends a block before the second's, so it drains that block
+# before its next head (the case that hung before _drain waited for it).
 HEADS_PER_CTA_CASES = [
-    (True, 256, 64, False, dict(local_window_size=128), 4),
-    (True, 200, 128, True, {}, 2),
-    (False, 256, 64, True, dict(local_window_size=(40, 70), logits_soft_cap=20.0), 4),
-    (True, 256, 128, True, dict(local_window_size=64), 2),
+    (True, 256, 64, False, dict(local_window_size=128), 4, None),
+    (True, 200, 128, True, {}, 2, None),
+    (False, 256, 64, True, dict(local_window_size=(40, 70), logits_soft_cap=20.0), 4, None),
+    (True, 256, 128, True, dict(local_window_size=64), 2, None),
+    (True, 256, 128, False, {}, 2, 64),
+    (True, 200, 64, True, {}, 4, 64),
 ]
 
 
-def _heads_tiles(d: int, heads: int):
-  """The head dim's default forward tiles with a CTA walking `heads` heads."""
-  return dataclasses.replace(pallas_mgpu.default_block_sizes(d, 0, jnp.bfloat16), heads_per_cta=heads)
+def _heads_tiles(d: int, heads: int, block_kv: int | None = None):
+  """The head dim's default forward tiles (with block_kv where given) with a CTA walking `heads` heads."""
+  tiles = pallas_mgpu.default_block_sizes(d, 0, jnp.bfloat16)
+  return dataclasses.replace(tiles, heads_per_cta=heads, block_kv=block_kv or tiles.block_kv)
 
 
 @pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
-@pytest.mark.parametrize("causal,seq,d,packed,kw,heads", HEADS_PER_CTA_CASES)
-def test_heads_per_cta_lowers_for_the_gpu(causal, seq, d, packed, kw, heads):
+@pytest.mark.parametrize("causal,seq,d,packed,kw,heads,block_kv", HEADS_PER_CTA_CASES)
+def test_heads_per_cta_lowers_for_the_gpu(causal, seq, d, packed, kw, heads, block_kv):
   """BlockSizes(heads_per_cta=n): the forward's CTA walks n heads of a GQA group (window band, causal with document
   ranges, bidirectional packed with a cap) and lowers for an H200 as one kernel."""
   q = jax.ShapeDtypeStruct((1, seq, 8, d), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((1, seq, 2, d), jnp.bfloat16)
   seg = jax.ShapeDtypeStruct((1, seq), jnp.int32) if packed else None
   fwd = lambda q, k, v, seg: attention(q, k, v, seg, causal=causal, implementation="pallas_mgpu", platform=HOPPER,
-                                       stabilizer="online", block_sizes=_heads_tiles(d, heads), **kw)
+                                       stabilizer="online", block_sizes=_heads_tiles(d, heads, block_kv), **kw)
   assert lower_for_h200(fwd, q, k, k, seg).count("custom_call @mosaic_gpu") == 1
 
 
@@ -830,8 +835,8 @@ def test_document_ranges_change_nothing_on_gpu(stabilizer, d, mean_len):
 
 
 @needs_gpu
-@pytest.mark.parametrize("causal,seq,d,packed,kw,heads", HEADS_PER_CTA_CASES)
-def test_heads_per_cta_changes_nothing_on_gpu(causal, seq, d, packed, kw, heads):
+@pytest.mark.parametrize("causal,seq,d,packed,kw,heads,block_kv", HEADS_PER_CTA_CASES)
+def test_heads_per_cta_changes_nothing_on_gpu(causal, seq, d, packed, kw, heads, block_kv):
   """A CTA walking several heads of a GQA group runs each head's loop as its own CTA did: o and lse bit-identical to
   heads_per_cta=1, and o against float64 (seq scaled up so the stream wraps over several slots per head)."""
   seq, batch = seq * 8, 1
@@ -842,7 +847,7 @@ def test_heads_per_cta_changes_nothing_on_gpu(causal, seq, d, packed, kw, heads)
   got = {}
   for n in (1, heads):
     got[n] = attention(q, k, v, seg, causal=causal, implementation="pallas_mgpu", stabilizer="online",
-                       block_sizes=_heads_tiles(d, n), **kw)
+                       block_sizes=_heads_tiles(d, n, block_kv), **kw)
   np.testing.assert_array_equal(np.asarray(got[heads].astype(jnp.float32)), np.asarray(got[1].astype(jnp.float32)))
   window = masks.as_window(kw.get("local_window_size"), causal=causal)
   want = ref.attention(q, k, v, do, seg, causal=causal, window=window, softcap=kw.get("logits_soft_cap"))[0]

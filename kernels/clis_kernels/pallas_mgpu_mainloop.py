@@ -249,9 +249,13 @@ def _record_row_max(c: Config, r: Rows, i, row_max):
 
 
 def _drain(c: Config, s: Scratch, ss, i, _):
-  """Releases block i, which this warpgroup does not need but the other one does (causal)."""
+  """Releases block i, which this warpgroup does not need but the other one does (causal). Each thread tracks every
+  barrier's phase itself (Mosaic GPU keeps the parities in a per-thread variable), so a warpgroup that goes on to
+  another head (heads_per_cta) waits for the drained blocks too: skipping those waits left its parities one phase
+  behind and its next head's first wait on that slot hung (H100, 2026-12-07, 64-key blocks, where the two warpgroups'
+  causal ranges differ by a block)."""
   slot = lax.rem(i, jnp.int32(c.slots))
-  if not c.pingpong:  # without the schedule's lockstep, wait for each block before releasing it
+  if not c.pingpong or c.heads > 1:  # without the schedule's lockstep, or before another head: wait for the block
     for barrier in (s.k_ready, s.v_ready) + ((ss.kseg_ready,) if c.has_segments else ()):
       plgpu.barrier_wait(barrier.at[slot])
   plgpu.barrier_arrive(s.k_free.at[slot])
