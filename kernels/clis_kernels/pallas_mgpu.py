@@ -260,7 +260,7 @@ HEADS_PER_CTA_WINDOW = 1024  # auto_heads_per_cta: windows at most this many key
 HEADS_PER_CTA_MAX = 8
 # heads_per_cta keeps two q tiles per compute warpgroup (the next head's loads during this one's loop); at 256 they
 # (2 · 2 · 64 · 256 · 2 bytes) do not fit beside K and V. A form without that prefetch hung on an H100 at 256
-# (2026-12-07: its GPU tests and the forward timed out; notes/kernels.md) and was withdrawn.
+# (2026-12-07), most likely in the causal drain (pallas_mgpu_mainloop._drain, fixed since); it was withdrawn, not rebuilt.
 HEADS_PER_CTA_MAX_HEAD_DIM = 128
 
 
