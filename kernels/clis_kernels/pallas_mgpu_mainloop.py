@@ -251,9 +251,9 @@ def _record_row_max(c: Config, r: Rows, i, row_max):
 def _drain(c: Config, s: Scratch, ss, i, _):
   """Releases block i, which this warpgroup does not need but the other one does (causal). Each thread tracks every
   barrier's phase itself (Mosaic GPU keeps the parities in a per-thread variable), so a warpgroup that goes on to
-  another head (heads_per_cta) waits for the drained blocks too: skipping those waits left its parities one phase
-  behind and its next head's first wait on that slot hung (H100, 2026-12-07, 64-key blocks, where the two warpgroups'
-  causal ranges differ by a block)."""
+  another head (heads_per_cta) waits for the drained blocks too: skipping those waits leaves its parities one phase
+  behind, so its next head's wait on that slot waits for a load that never comes (most likely the hang seen on an
+  H100 on 2026-12-07 with 64-key blocks, where the two warpgroups' causal ranges differ by a block)."""
   slot = lax.rem(i, jnp.int32(c.slots))
   if not c.pingpong or c.heads > 1:  # without the schedule's lockstep, or before another head: wait for the block
     for barrier in (s.k_ready, s.v_ready) + ((ss.kseg_ready,) if c.has_segments else ()):
