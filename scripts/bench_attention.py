@@ -179,11 +179,11 @@ def _named(q, k, v, seg, causal, *, stabilizer, implementation, **kw):
   return attention(q, k, v, seg, causal=causal, stabilizer=stabilizer, implementation=implementation, **kw)
 
 
-def _backward_choice(q, k, v, seg, causal, stabilizer, fused, split=False):
+def _backward_choice(q, k, v, seg, causal, stabilizer, fused, split=False, overlap=False):
   """The Mosaic GPU backward forced to one kernel (fused; split: each warpgroup half of dQ's head dim) or two,
-  whatever the head dim's default."""
-  return attention(q, k, v, seg, causal=causal, stabilizer=stabilizer,
-                   backward_block_sizes=pallas_mgpu_vjp.BlockSizes(fused_dq=fused, split_dq=split))
+  whatever the head dim's default; overlap: the dK/dV (or fused) step issues S and dP together, dV with dK."""
+  return attention(q, k, v, seg, causal=causal, stabilizer=stabilizer, backward_block_sizes=pallas_mgpu_vjp.BlockSizes(
+      fused_dq=fused, split_dq=split, overlap_dq=overlap and not fused, overlap_dkv=overlap))
 
 
 def _exp2_tanh(q, k, v, seg, causal, stabilizer, **kw):
@@ -302,6 +302,8 @@ def implementations(names, platform, quick):
       table[f"{stab}_fused_bwd"] = functools.partial(_backward_choice, stabilizer=stab, fused=True)
       table[f"{stab}_two_kernel_bwd"] = functools.partial(_backward_choice, stabilizer=stab, fused=False)
       table[f"{stab}_split_bwd"] = functools.partial(_backward_choice, stabilizer=stab, fused=True, split=True)
+      table[f"{stab}_split_overlap_bwd"] = functools.partial(_backward_choice, stabilizer=stab, fused=True, split=True,
+                                                             overlap=True)
       table[f"{stab}_all_blocks"] = functools.partial(_all_blocks, stabilizer=stab)
       table[f"{stab}_exp2_tanh"] = functools.partial(_exp2_tanh, stabilizer=stab)
       table[f"{stab}_kv64"] = functools.partial(_kv64, stabilizer=stab)

@@ -986,6 +986,7 @@ OVERLAP_CASES = [
     ("causal_packed_d64_fused", 1000, 64, 64, True, True, {}, dataclasses.replace(OVERLAP, fused_dq=True)),
     ("bidir_packed_d128_split", 1024, 128, 128, False, True, {},
      dataclasses.replace(OVERLAP, fused_dq=True, split_dq=True)),
+    ("causal_d128_split", 1024, 128, 128, True, False, {}, dataclasses.replace(OVERLAP, fused_dq=True, split_dq=True)),
     ("causal_packed_d256", 1000, 256, 256, True, True, {}, OVERLAP),
     ("causal_mla", 1000, 192, 128, True, False, {}, OVERLAP),
     ("causal_cap30_window300_d128", 1024, 128, 128, True, False, dict(logits_soft_cap=30.0, local_window_size=300),

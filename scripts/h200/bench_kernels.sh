@@ -55,6 +55,10 @@
 #                      with cap 50), the D 256 forward alone (the default timed twice) against cuDNN and tokamax (sink
 #                      inputs), and D 128 bwd / fwd+bwd with the default timed twice (online_twin: the spread between
 #                      identical versions) against cuDNN, 8k and 32k
+#   split_overlap      D 128's one-kernel backward with dQ split between the warpgroups (FlashAttention-3's; 2.5 F of
+#                      matmuls against the two kernels' 3.5 F) now with S and dP issued together and dV with dK, against
+#                      the default two kernels and cuDNN: GPU tests of that order first, then causal GQA 32/8 bwd and
+#                      fwd+bwd at 8k and 32k, sink inputs, the default timed twice
 #   tokamax_grid       how much of tokamax's forward lead at Gemma 2's local layer (D 256, cap 50, window 4096, GQA 16/8)
 #                      its persistent grid gives: tokamax_mosaic (its heuristics: persistent with a window), persistent
 #                      and one CTA per q tile, against ours (online), 8k and 32k; then D 128 (GQA 32/8) window 4096
@@ -234,6 +238,12 @@ case "$1" in
           --tokens 32768 --seq-lens 8192 32768 --impls online clis_mgpu_cap clis_cap_unrounded clis_cap_tc_sum \
           tokamax_streamed tokamax_mosaic --out "$OUT/gemma2_fwd_$inputs.json"
     done ;;
+  split_overlap)
+    TAIL=6 step split_tests 150 timeout -s INT 140 $GPU_TEST tests/test_pallas_mgpu.py -k "overlapped and split" \
+        --durations 3
+    TAIL=14 step split_overlap 240 python3 scripts/bench_attention.py --suite llm --seq-lens 8192 32768 --tokens 32768 \
+        --causal yes --packed no --inputs sinks_many --passes bwd fwd_bwd --repeats 5 --inner 3 \
+        --impls online online_twin online_split_bwd online_split_overlap_bwd cudnn --out "$OUT/split_overlap.json" ;;
   tokamax_grid)
     grid=(--causal yes --packed no --inputs sinks_many --passes fwd --repeats 7 --inner 3 --tokens 32768
           --seq-lens 8192 32768 --impls online tokamax_mosaic tokamax_persistent tokamax_streamed)
