@@ -55,6 +55,10 @@
 #                      with cap 50), the D 256 forward alone (the default timed twice) against cuDNN and tokamax (sink
 #                      inputs), and D 128 bwd / fwd+bwd with the default timed twice (online_twin: the spread between
 #                      identical versions) against cuDNN, 8k and 32k
+#   followups          one call (550 s) for what 2026-12-07's last changes left untested, most needed first: GPU tests of
+#                      the D 256 backward's new default (wide_mosaic, float64), heads_per_cta's drain waits (the 64-key
+#                      cases) and the overlapped orders (the causal split-dQ case new); then split_overlap's timing; then
+#                      gemma2_fwd on sink inputs
 #   split_overlap      D 128's one-kernel backward with dQ split between the warpgroups (FlashAttention-3's; 2.5 F of
 #                      matmuls against the two kernels' 3.5 F) now with S and dP issued together and dV with dK, against
 #                      the default two kernels and cuDNN: GPU tests of that order first, then causal GQA 32/8 bwd and
@@ -238,6 +242,16 @@ case "$1" in
           --tokens 32768 --seq-lens 8192 32768 --impls online clis_mgpu_cap clis_cap_unrounded clis_cap_tc_sum \
           tokamax_streamed tokamax_mosaic --out "$OUT/gemma2_fwd_$inputs.json"
     done ;;
+  followups)
+    TAIL=8 step followup_tests 170 timeout -s INT 160 $GPU_TEST tests/test_pallas_mgpu.py \
+        -k "wide_mosaic or heads_per_cta or overlapped" --durations 3
+    TAIL=14 step split_overlap 220 python3 scripts/bench_attention.py --suite llm --seq-lens 8192 32768 --tokens 32768 \
+        --causal yes --packed no --inputs sinks_many --passes bwd fwd_bwd --repeats 5 --inner 3 \
+        --impls online online_twin online_split_overlap_bwd cudnn --out "$OUT/split_overlap.json"
+    TAIL=8 step gemma2_fwd_sinks_many 150 python3 scripts/bench_attention.py --suite llm --llm-heads 16 8 256 \
+        --softcap 50 --window 4096 --causal yes --packed no --inputs sinks_many --passes fwd --repeats 7 --inner 3 \
+        --tokens 32768 --seq-lens 8192 32768 --impls online clis_mgpu_cap clis_cap_unrounded clis_cap_tc_sum \
+        tokamax_streamed tokamax_mosaic --out "$OUT/gemma2_fwd_sinks_many.json" ;;
   split_overlap)
     TAIL=6 step split_tests 150 timeout -s INT 140 $GPU_TEST tests/test_pallas_mgpu.py -k "overlapped and split" \
         --durations 3
