@@ -1,7 +1,8 @@
 """Hashes of the Mosaic GPU forward's jaxprs (kernel bodies included, source locations not) over head dims 64 / 128 /
 256 / MLA's 192-128, causal, bidirectional packed, causal packed, cap + window, the online loop and the XLA
-certificate's, and BlockSizes.heads_per_cta=2 where it runs (online, head dims up to 128): run before and after a change that must leave these paths untraced-different, and compare the files
-(as backward_jaxpr_hashes.py does for the backward).
+certificate's, and BlockSizes.heads_per_cta=2 where it runs (online, head dims up to 128): run before and after a
+change that must leave these paths untraced-different, and compare the files (as backward_jaxpr_hashes.py does for
+the backward).
 
   PYTHONPATH=kernels:. python3 notes/experiments/forward_jaxpr_hashes.py /tmp/before.json
 """
@@ -40,5 +41,6 @@ for d, dv, hkv in ((128, 128, 2), (64, 64, 2), (256, 256, 4), (192, 128, 4)):
                                    block_sizes=tiles, **kw)
       text = str(jax.make_jaxpr(f)(q, k, v, seg))
       assert "wgmma" in text, text[:500]
-      out[f"{d}/{dv} causal={causal} packed={packed} {sorted(kw)} {mode}" + (f" heads={heads}" if heads else "")] = hashlib.sha256(text.encode()).hexdigest()[:16]
+      name = f"{d}/{dv} causal={causal} packed={packed} {sorted(kw)} {mode}" + (f" heads={heads}" if heads else "")
+      out[name] = hashlib.sha256(text.encode()).hexdigest()[:16]
 json.dump(out, open(sys.argv[1], "w"), indent=1)
