@@ -69,6 +69,8 @@ def test_split_dq_backward_lowers_as_one_kernel(causal, packed):
     lower_for_h200(jax.grad(loss, argnums=(0, 1, 2)), q64, q64, q64, seg)
   with pytest.raises(ValueError, match="needs fused_dq=True"):
     pallas_mgpu_vjp.BlockSizes(split_dq=True)
+  with pytest.raises(ValueError, match="split_dq=True runs in the serial step order only"):
+    pallas_mgpu_vjp.BlockSizes(fused_dq=True, split_dq=True, overlap_dkv=True)
 
 
 @pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
@@ -308,7 +310,9 @@ def test_unsupported_inputs_get_one_clear_error(kwargs, message):
                                             (dict(slots=1), "slots=1 must be at least 2"),
                                             (dict(overlap=True), "overlap=True needs pingpong=False"),
                                             (dict(sum_on_tensor_cores=True, exact_sum=False),
-                                             "sum_on_tensor_cores=True sums the rounded weights")])
+                                             "sum_on_tensor_cores=True sums the rounded weights"),
+                                            (dict(sum_during_pv=True, sum_on_tensor_cores=True),
+                                             "sum_during_pv=True moves the ping-pong step's row sum")])
 def test_block_sizes_are_validated(kwargs, message):
   with pytest.raises(ValueError, match=message):
     pallas_mgpu.BlockSizes(**kwargs)
@@ -892,6 +896,55 @@ def test_streaming_warps_change_nothing_on_gpu(stabilizer, kw, causal, packed):
   assert ref.rel_err(got[True], want) < TOLERANCE[jnp.bfloat16][0]
 
 
+# (stabilizer, keywords, head dim): the online loop, and Gemma 2's capped, windowed local layer certified by the cap's
+# bound, with the rounded weights' sum and without it
+LATE_SUM_CASES = [("online", {}, 128), ("online", {}, 256),
+                  ("clis", dict(logits_soft_cap=50.0, local_window_size=300, bound="cap"), 256),
+                  ("clis", dict(logits_soft_cap=50.0, local_window_size=300, bound="cap", exact_sum=False), 256)]
+
+
+def _late_sum_tiles(d, kw, late):
+  tiles = pallas_mgpu.default_block_sizes(d, 1024, jnp.bfloat16)
+  return dataclasses.replace(tiles, sum_during_pv=late, exact_sum=kw.get("exact_sum", True))
+
+
+@pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
+@pytest.mark.parametrize("stabilizer,kw,d", LATE_SUM_CASES)
+@pytest.mark.parametrize("causal,packed", [(True, True), (False, False)])
+def test_sum_during_pv_lowers_for_the_gpu(stabilizer, kw, d, causal, packed):
+  """BlockSizes(sum_during_pv=True), each step's row sum formed behind P·V's wgmma, lowers for an H200 as one forward
+  kernel in the online and the certified loop."""
+  kw = dict(kw)
+  tiles = _late_sum_tiles(d, kw, True)
+  kw.pop("exact_sum", None)
+  q = jax.ShapeDtypeStruct((1, 512, 8, d), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, 512, 2, d), jnp.bfloat16)
+  seg = jax.ShapeDtypeStruct((1, 512), jnp.int32) if packed else None
+  fwd = lambda q, k, v, seg: attention(q, k, v, seg, causal=causal, implementation="pallas_mgpu", platform=HOPPER,
+                                       stabilizer=stabilizer, block_sizes=tiles, **kw)
+  assert lower_for_h200(fwd, q, k, k, seg).count("custom_call @mosaic_gpu") == 1
+
+
+@needs_gpu
+@pytest.mark.parametrize("stabilizer,kw,d", LATE_SUM_CASES)
+def test_sum_during_pv_matches_on_gpu(stabilizer, kw, d):
+  """The row sum moved behind P·V's wgmma sums the same weights in the same order: o within one bf16 rounding of the
+  forward without the move (ptxas may fuse l·α + Σp differently), and within bf16's tolerance of float64 (inputs
+  scaled up with a cap, so that it bites)."""
+  kw, seq = dict(kw), 1024
+  tiles = {late: _late_sum_tiles(d, kw, late) for late in (True, False)}
+  kw.pop("exact_sum", None)
+  q, k, v, do = random_inputs(seq + d, 1, seq, 8, 2, d, jnp.bfloat16)
+  if "logits_soft_cap" in kw:
+    q, k = q * 4.0, k * 4.0
+  got = {late: attention(q, k, v, causal=True, implementation="pallas_mgpu", stabilizer=stabilizer,
+                         block_sizes=t, **kw).astype(jnp.float32) for late, t in tiles.items()}
+  np.testing.assert_allclose(np.asarray(got[True]), np.asarray(got[False]), rtol=2.0 ** -7, atol=2.0 ** -16)
+  want = ref.attention(q, k, v, do, None, causal=True, softcap=kw.get("logits_soft_cap"),
+                       window=masks.as_window(kw.get("local_window_size"), causal=True))[0]
+  assert ref.rel_err(got[True], want) < TOLERANCE[jnp.bfloat16][0]
+
+
 def test_profiler_is_off_unless_a_directory_is_named(monkeypatch, tmp_path):
   """mgpu_pipeline.compiler_params: approximate math always; Mosaic GPU's in-kernel profiler only when
   CLIS_MGPU_PROFILE_DIR is set (then CLIS_MGPU_PROFILE_SPACE events per call)."""
@@ -984,9 +1037,6 @@ OVERLAP = pallas_mgpu_vjp.BlockSizes(overlap_dq=True, overlap_dkv=True)
 OVERLAP_CASES = [
     ("causal_d128", 1000, 128, 128, True, False, {}, OVERLAP),
     ("causal_packed_d64_fused", 1000, 64, 64, True, True, {}, dataclasses.replace(OVERLAP, fused_dq=True)),
-    ("bidir_packed_d128_split", 1024, 128, 128, False, True, {},
-     dataclasses.replace(OVERLAP, fused_dq=True, split_dq=True)),
-    ("causal_d128_split", 1024, 128, 128, True, False, {}, dataclasses.replace(OVERLAP, fused_dq=True, split_dq=True)),
     ("causal_packed_d256", 1000, 256, 256, True, True, {}, OVERLAP),
     ("causal_mla", 1000, 192, 128, True, False, {}, OVERLAP),
     ("causal_cap30_window300_d128", 1024, 128, 128, True, False, dict(logits_soft_cap=30.0, local_window_size=300),

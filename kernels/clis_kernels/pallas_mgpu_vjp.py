@@ -81,6 +81,10 @@ class BlockSizes:
       raise ValueError(f"{self.slots=} must be at least 2 (one block computing while the next loads)")
     if self.split_dq and not self.fused_dq:
       raise ValueError("split_dq=True splits the fused backward's dQ: it needs fused_dq=True")
+    if self.split_dq and (self.overlap_dq or self.overlap_dkv):
+      raise ValueError("split_dq=True runs in the serial step order only: with overlap_dq or overlap_dkv its dK was not "
+                       "the same run to run on the GPU (1 bf16 ulp, 2 of 4 runs, 2026-12-07) and it was no faster "
+                       "(0.97x the two kernels at 32k): use overlap_dq=False, overlap_dkv=False")
     if self.dv_with_dp and self.fused_dq:
       raise ValueError("dv_with_dp=True moves the dK/dV kernel's dV wgmma; the fused kernel (fused_dq=True) forms dV "
                        "in its own order: use dv_with_dp=False")

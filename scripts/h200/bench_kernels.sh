@@ -55,14 +55,11 @@
 #                      with cap 50), the D 256 forward alone (the default timed twice) against cuDNN and tokamax (sink
 #                      inputs), and D 128 bwd / fwd+bwd with the default timed twice (online_twin: the spread between
 #                      identical versions) against cuDNN, 8k and 32k
-#   followups          one call (550 s) for what 2026-12-07's last changes left untested, most needed first: GPU tests of
-#                      the D 256 backward's new default (wide_mosaic, float64), heads_per_cta's drain waits (the 64-key
-#                      cases) and the overlapped orders (the causal split-dQ case new); then split_overlap's timing; then
-#                      gemma2_fwd on sink inputs
-#   split_overlap      D 128's one-kernel backward with dQ split between the warpgroups (FlashAttention-3's; 2.5 F of
-#                      matmuls against the two kernels' 3.5 F) now with S and dP issued together and dV with dK, against
-#                      the default two kernels and cuDNN: GPU tests of that order first, then causal GQA 32/8 bwd and
-#                      fwd+bwd at 8k and 32k, sink inputs, the default timed twice
+#   late_sum           the forward's row sum formed while P·V runs (BlockSizes.sum_during_pv, tokamax's order above head
+#                      dim 128): GPU tests, then forward at Gemma 2's local layer (D 256, cap 50, window 4096, GQA 16/8;
+#                      online and the cap's bound, rounded and unrounded sums, each without and with the move, against
+#                      tokamax), D 256 causal (against cuDNN and tokamax) and D 128 causal (GQA 32/8, against cuDNN), 8k
+#                      and 32k, sink inputs
 #   tokamax_grid       how much of tokamax's forward lead at Gemma 2's local layer (D 256, cap 50, window 4096, GQA 16/8)
 #                      its persistent grid gives: tokamax_mosaic (its heuristics: persistent with a window), persistent
 #                      and one CTA per q tile, against ours (online), 8k and 32k; then D 128 (GQA 32/8) window 4096
@@ -242,22 +239,17 @@ case "$1" in
           --tokens 32768 --seq-lens 8192 32768 --impls online clis_mgpu_cap clis_cap_unrounded clis_cap_tc_sum \
           tokamax_streamed tokamax_mosaic --out "$OUT/gemma2_fwd_$inputs.json"
     done ;;
-  followups)
-    TAIL=8 step followup_tests 170 timeout -s INT 160 $GPU_TEST tests/test_pallas_mgpu.py \
-        -k "wide_mosaic or heads_per_cta or overlapped" --durations 3
-    TAIL=14 step split_overlap 220 python3 scripts/bench_attention.py --suite llm --seq-lens 8192 32768 --tokens 32768 \
-        --causal yes --packed no --inputs sinks_many --passes bwd fwd_bwd --repeats 5 --inner 3 \
-        --impls online online_twin online_split_overlap_bwd cudnn --out "$OUT/split_overlap.json"
-    TAIL=8 step gemma2_fwd_sinks_many 150 python3 scripts/bench_attention.py --suite llm --llm-heads 16 8 256 \
-        --softcap 50 --window 4096 --causal yes --packed no --inputs sinks_many --passes fwd --repeats 7 --inner 3 \
-        --tokens 32768 --seq-lens 8192 32768 --impls online clis_mgpu_cap clis_cap_unrounded clis_cap_tc_sum \
-        tokamax_streamed tokamax_mosaic --out "$OUT/gemma2_fwd_sinks_many.json" ;;
-  split_overlap)
-    TAIL=6 step split_tests 150 timeout -s INT 140 $GPU_TEST tests/test_pallas_mgpu.py -k "overlapped and split" \
-        --durations 3
-    TAIL=14 step split_overlap 240 python3 scripts/bench_attention.py --suite llm --seq-lens 8192 32768 --tokens 32768 \
-        --causal yes --packed no --inputs sinks_many --passes bwd fwd_bwd --repeats 5 --inner 3 \
-        --impls online online_twin online_split_bwd online_split_overlap_bwd cudnn --out "$OUT/split_overlap.json" ;;
+  late_sum)
+    TAIL=6 step late_sum_tests 130 timeout -s INT 120 $GPU_TEST tests/test_pallas_mgpu.py -k "sum_during_pv" --durations 3
+    fwd=(--causal yes --packed no --inputs sinks_many --passes fwd --repeats 7 --inner 3 --tokens 32768
+         --seq-lens 8192 32768)
+    TAIL=18 step late_sum_gemma2 170 python3 scripts/bench_attention.py --suite llm --llm-heads 16 8 256 --softcap 50 \
+        --window 4096 "${fwd[@]}" --impls online online_sum_during_pv clis_mgpu_cap clis_cap_during_pv \
+        clis_cap_unrounded clis_cap_unrounded_during_pv tokamax_streamed --out "$OUT/late_sum_gemma2.json"
+    TAIL=10 step late_sum_d256 120 python3 scripts/bench_attention.py --suite llm --llm-heads 16 8 256 "${fwd[@]}" \
+        --impls online online_sum_during_pv cudnn tokamax_mosaic --out "$OUT/late_sum_d256.json"
+    TAIL=8 step late_sum_d128 100 python3 scripts/bench_attention.py --suite llm "${fwd[@]}" \
+        --impls online online_sum_during_pv cudnn --out "$OUT/late_sum_d128.json" ;;
   tokamax_grid)
     grid=(--causal yes --packed no --inputs sinks_many --passes fwd --repeats 7 --inner 3 --tokens 32768
           --seq-lens 8192 32768 --impls online tokamax_mosaic tokamax_persistent tokamax_streamed)
