@@ -898,14 +898,19 @@ def test_streaming_warps_change_nothing_on_gpu(stabilizer, kw, causal, packed):
 
 # (stabilizer, keywords, head dim): the online loop, and Gemma 2's capped, windowed local layer certified by the cap's
 # bound, with the rounded weights' sum and without it
-LATE_SUM_CASES = [("online", {}, 128), ("online", {}, 256),
-                  ("clis", dict(logits_soft_cap=50.0, local_window_size=300, bound="cap"), 256),
-                  ("clis", dict(logits_soft_cap=50.0, local_window_size=300, bound="cap", exact_sum=False), 256)]
+# bound, with the rounded weights' sum and without it, and with no optimization barrier after the softmax
+GEMMA2_LOCAL = dict(logits_soft_cap=50.0, local_window_size=300, bound="cap")
+LATE_SUM_CASES = [("online", {}, 128), ("online", {}, 256), ("online", dict(softmax_barrier=False), 256),
+                  ("clis", GEMMA2_LOCAL, 256), ("clis", dict(GEMMA2_LOCAL, exact_sum=False), 256),
+                  ("clis", dict(GEMMA2_LOCAL, softmax_barrier=False), 256)]
+TILE_KEYS = ("exact_sum", "softmax_barrier")
 
 
 def _late_sum_tiles(d, kw, late):
+  """The default tiles with the case's tile keywords; late: the row sum moved (and the barrier as the case says)."""
   tiles = pallas_mgpu.default_block_sizes(d, 1024, jnp.bfloat16)
-  return dataclasses.replace(tiles, sum_during_pv=late, exact_sum=kw.get("exact_sum", True))
+  return dataclasses.replace(tiles, sum_during_pv=late, exact_sum=kw.get("exact_sum", True),
+                             softmax_barrier=kw.get("softmax_barrier", True) or not late)
 
 
 @pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
@@ -914,9 +919,8 @@ def _late_sum_tiles(d, kw, late):
 def test_sum_during_pv_lowers_for_the_gpu(stabilizer, kw, d, causal, packed):
   """BlockSizes(sum_during_pv=True), each step's row sum formed behind P·V's wgmma, lowers for an H200 as one forward
   kernel in the online and the certified loop."""
-  kw = dict(kw)
   tiles = _late_sum_tiles(d, kw, True)
-  kw.pop("exact_sum", None)
+  kw = {key: value for key, value in kw.items() if key not in TILE_KEYS}
   q = jax.ShapeDtypeStruct((1, 512, 8, d), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((1, 512, 2, d), jnp.bfloat16)
   seg = jax.ShapeDtypeStruct((1, 512), jnp.int32) if packed else None
@@ -928,12 +932,12 @@ def test_sum_during_pv_lowers_for_the_gpu(stabilizer, kw, d, causal, packed):
 @needs_gpu
 @pytest.mark.parametrize("stabilizer,kw,d", LATE_SUM_CASES)
 def test_sum_during_pv_matches_on_gpu(stabilizer, kw, d):
-  """The row sum moved behind P·V's wgmma sums the same weights in the same order: o within one bf16 rounding of the
-  forward without the move (ptxas may fuse l·α + Σp differently), and within bf16's tolerance of float64 (inputs
-  scaled up with a cap, so that it bites)."""
-  kw, seq = dict(kw), 1024
+  """The row sum moved behind P·V's wgmma (and the softmax's optimization barrier dropped) sums the same weights in the
+  same order: o within one bf16 rounding of the default forward (ptxas may fuse l·α + Σp differently), and within
+  bf16's tolerance of float64 (inputs scaled up with a cap, so that it bites)."""
+  seq = 1024
   tiles = {late: _late_sum_tiles(d, kw, late) for late in (True, False)}
-  kw.pop("exact_sum", None)
+  kw = {key: value for key, value in kw.items() if key not in TILE_KEYS}
   q, k, v, do = random_inputs(seq + d, 1, seq, 8, 2, d, jnp.bfloat16)
   if "logits_soft_cap" in kw:
     q, k = q * 4.0, k * 4.0

@@ -81,6 +81,9 @@ class BlockSizes:
   handed over; tokamax's forward does this above head dim 128. The same sums in the same order (bit-identical
   outputs); the unrounded weights stay in registers until P·V is issued. Ping-pong step only (overlap=False,
   sum_on_tensor_cores=False).
+  softmax_barrier: an optimization barrier ends each step's softmax, so that its results are computed before the
+  tensor cores are handed over; tokamax's forward sets none above head dim 128 and lets the compiler place them.
+  The same arithmetic either way.
   document_ranges: causal packed calls start each CTA's KV loop at the first block that holds a key of its
   rows' documents (masks.segment_block_ranges), as tokamax's per-row k_start does; the blocks before it are
   wholly masked and were visited for nothing (8k rows of packed ~500-token documents: 70-80% of the causal
@@ -112,6 +115,7 @@ class BlockSizes:
   exact_lse: bool = True
   sum_on_tensor_cores: bool = False
   sum_during_pv: bool = False
+  softmax_barrier: bool = True
   document_ranges: bool = True
   soft_cap_tanh: str = "approx"
   heads_per_cta: int | None = None
@@ -318,6 +322,7 @@ def _launch(q, k, v, segment_ids, stab, *, mode: Mode, causal, scale, kv_len, bl
       has_segments=segment_ids is not None, row_centres=row_centres, pingpong=bs.pingpong, overlap=bs.overlap,
       exact_sum=bs.exact_sum, tc_sum=bs.sum_on_tensor_cores and mode != "online", listed=visit is not None,
       lse_sum=bs.exact_lse and bs.exact_sum and mode != "online", sum_during_pv=bs.sum_during_pv,
+      softmax_barrier=bs.softmax_barrier,
       track=track and visit is not None, list_width=0 if visit is None else visit.shape[-1],
       doc_ranges=bs.document_ranges and causal and segment_ids is not None and visit is None and window is None,
       window=None if window is None else tuple(int(w) for w in window),

@@ -206,7 +206,8 @@ def _weights(c: Config, s: Scratch, ss, r: Rows, fixed: bool, i, slot, masked: b
       l = l + p.sum(axis=1)  # the unrounded weights: see pallas_mgpu.py's docstring (BlockSizes.exact_sum)
     if c.lse_sum:  # lse's sum, unrounded, while p is in registers (BlockSizes.exact_lse)
       l_lse = l_lse + p.sum(axis=1)
-    acc, l, l_lse, p_low, unsummed = lax.optimization_barrier((acc, l, l_lse, p_low, unsummed))
+    if c.softmax_barrier:
+      acc, l, l_lse, p_low, unsummed = lax.optimization_barrier((acc, l, l_lse, p_low, unsummed))
   else:
     m_new = jnp.maximum(m, row_max)
     alpha = jnp.exp2(m - m_new)
@@ -214,7 +215,8 @@ def _weights(c: Config, s: Scratch, ss, r: Rows, fixed: bool, i, slot, masked: b
     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
     l, unsummed = (l * alpha, p) if late else (l * alpha + p.sum(axis=1), None)
     m, p_low = m_new, p.astype(r.dtype)
-    acc, m, l, p_low, unsummed = lax.optimization_barrier((acc, m, l, p_low, unsummed))
+    if c.softmax_barrier:
+      acc, m, l, p_low, unsummed = lax.optimization_barrier((acc, m, l, p_low, unsummed))
   return acc, m, l, l_lse, p_low, unsummed
 
 

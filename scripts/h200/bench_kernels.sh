@@ -242,11 +242,12 @@ case "$1" in
     TAIL=6 step late_sum_tests 110 timeout -s INT 100 $GPU_TEST tests/test_pallas_mgpu.py -k "sum_during_pv" --durations 3
     fwd=(--causal yes --packed no --inputs sinks_many --passes fwd --repeats 5 --inner 3 --tokens 32768
          --seq-lens 8192 32768)
-    TAIL=16 step late_sum_gemma2 130 python3 scripts/bench_attention.py --suite llm --llm-heads 16 8 256 --softcap 50 \
+    TAIL=18 step late_sum_gemma2 130 python3 scripts/bench_attention.py --suite llm --llm-heads 16 8 256 --softcap 50 \
         --window 4096 "${fwd[@]}" --impls online online_sum_during_pv clis_mgpu_cap clis_cap_during_pv \
-        clis_cap_unrounded_during_pv tokamax_streamed --out "$OUT/late_sum_gemma2.json"
+        clis_cap_unrounded_during_pv online_during_pv_no_barrier clis_cap_during_pv_no_barrier tokamax_streamed \
+        --out "$OUT/late_sum_gemma2.json"
     TAIL=8 step late_sum_d256 90 python3 scripts/bench_attention.py --suite llm --llm-heads 16 8 256 "${fwd[@]}" \
-        --impls online online_sum_during_pv cudnn --out "$OUT/late_sum_d256.json"
+        --impls online online_sum_during_pv online_during_pv_no_barrier cudnn --out "$OUT/late_sum_d256.json"
     TAIL=8 step late_sum_d128 80 python3 scripts/bench_attention.py --suite llm "${fwd[@]}" \
         --impls online online_sum_during_pv cudnn --out "$OUT/late_sum_d128.json" ;;
   tokamax_grid)
