@@ -142,9 +142,7 @@ FEATURED = ("clis", "online", "clis_blocks", "clis_radius", "clis_cap", "clis_mg
             "online_mgpu", "clis_mgpu_triton_bwd", "online_mgpu_triton_bwd", "clis_exp2_tanh", "online_exp2_tanh",
             "online_heads1", "online_heads2", "online_heads4", "online_heads8", "tokamax_mosaic", "tokamax_triton",
             "online_four_warps", "clis_mgpu_four_warps", "online_overlap_bwd", "online_serial_bwd",
-            "online_dq_overlap_bwd", "online_twin", "tokamax_persistent", "tokamax_streamed", "online_sum_during_pv",
-            "clis_cap_during_pv", "clis_cap_unrounded_during_pv", "online_during_pv_no_barrier",
-            "clis_cap_during_pv_no_barrier")
+            "online_dq_overlap_bwd", "online_twin", "tokamax_persistent", "tokamax_streamed")
 
 
 SINKLESS = ("cudnn", "tokamax_mosaic", "tokamax_triton", "tokamax_k_start", "tokamax_persistent", "tokamax_streamed",
@@ -165,7 +163,6 @@ def feature_kwargs(window, softcap) -> dict:
 CERTIFYING = {"clis": {}, "clis_blocks": dict(bound="blocks"), "clis_radius": dict(bound="radius"),
               "clis_cap": dict(bound="cap"), "clis_mgpu_cap": dict(bound="cap", implementation="pallas_mgpu"),
               "clis_cap_tc_sum": dict(bound="cap", implementation="pallas_mgpu"),
-              "clis_cap_during_pv": dict(bound="cap", implementation="pallas_mgpu"),
               "clis_mgpu": dict(implementation="pallas_mgpu"),
               "clis_triton": dict(implementation="pallas_gpu")}
 
@@ -260,16 +257,6 @@ def _cap_tc_sum(q, k, v, seg, causal, **kw):
                    block_sizes=dataclasses.replace(tiles, sum_on_tensor_cores=True), **kw)
 
 
-def _sum_during_pv(q, k, v, seg, causal, *, stabilizer, exact_sum=True, barrier=True, **kw):
-  """The Mosaic GPU forward forming each step's row sum while P·V runs (BlockSizes(sum_during_pv=True), tokamax's
-  order above head dim 128); exact_sum=False: the certified loop's unrounded sum (timing only, as _cap_unrounded);
-  barrier=False: no optimization barrier after the softmax (BlockSizes.softmax_barrier, as tokamax above 128)."""
-  tiles = pallas_mgpu.default_block_sizes(q.shape[-1], q.shape[1], q.dtype)
-  return attention(q, k, v, seg, causal=causal, stabilizer=stabilizer, implementation="pallas_mgpu",
-                   block_sizes=dataclasses.replace(tiles, sum_during_pv=True, exact_sum=exact_sum,
-                                                   softmax_barrier=barrier), **kw)
-
-
 def _tokamax_k_start(q, k, v, seg, causal):
   """tokamax's Mosaic GPU flash attention with packed documents as per-row first keys (the trainer's
   attention=tokamax; causal only)."""
@@ -322,13 +309,6 @@ def implementations(names, platform, quick):
     table["clis_mgpu_cap"] = functools.partial(_named, stabilizer="clis", implementation="pallas_mgpu", bound="cap")
     table["clis_cap_tc_sum"] = _cap_tc_sum
     table["clis_cap_unrounded"] = _cap_unrounded
-    table["online_sum_during_pv"] = functools.partial(_sum_during_pv, stabilizer="online")
-    table["clis_cap_during_pv"] = functools.partial(_sum_during_pv, stabilizer="clis", bound="cap")
-    table["clis_cap_unrounded_during_pv"] = functools.partial(_sum_during_pv, stabilizer="clis", bound="cap",
-                                                              exact_sum=False)
-    table["online_during_pv_no_barrier"] = functools.partial(_sum_during_pv, stabilizer="online", barrier=False)
-    table["clis_cap_during_pv_no_barrier"] = functools.partial(_sum_during_pv, stabilizer="clis", bound="cap",
-                                                               barrier=False)
     table["online_overlap_bwd"] = functools.partial(_bwd_order, stabilizer="online", overlap_dq=True, overlap_dkv=True)
     table["online_serial_bwd"] = functools.partial(_bwd_order, stabilizer="online", overlap_dq=False, overlap_dkv=False)
     table["online_dq_overlap_bwd"] = functools.partial(_bwd_order, stabilizer="online", overlap_dq=True,

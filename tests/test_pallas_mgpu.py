@@ -310,9 +310,7 @@ def test_unsupported_inputs_get_one_clear_error(kwargs, message):
                                             (dict(slots=1), "slots=1 must be at least 2"),
                                             (dict(overlap=True), "overlap=True needs pingpong=False"),
                                             (dict(sum_on_tensor_cores=True, exact_sum=False),
-                                             "sum_on_tensor_cores=True sums the rounded weights"),
-                                            (dict(sum_during_pv=True, sum_on_tensor_cores=True),
-                                             "sum_during_pv=True moves the ping-pong step's row sum")])
+                                             "sum_on_tensor_cores=True sums the rounded weights")])
 def test_block_sizes_are_validated(kwargs, message):
   with pytest.raises(ValueError, match=message):
     pallas_mgpu.BlockSizes(**kwargs)
@@ -893,59 +891,6 @@ def test_streaming_warps_change_nothing_on_gpu(stabilizer, kw, causal, packed):
                         block_sizes=pallas_mgpu.BlockSizes(one_memory_warp=one), **kw) for one in (True, False)}
   np.testing.assert_array_equal(np.asarray(got[True].astype(jnp.float32)), np.asarray(got[False].astype(jnp.float32)))
   want = ref.attention(q, k, v, do, seg, causal=causal, softcap=kw.get("logits_soft_cap"))[0]
-  assert ref.rel_err(got[True], want) < TOLERANCE[jnp.bfloat16][0]
-
-
-# (stabilizer, keywords, head dim): the online loop, and Gemma 2's capped, windowed local layer certified by the cap's
-# bound, with the rounded weights' sum and without it
-# bound, with the rounded weights' sum and without it, and with no optimization barrier after the softmax
-GEMMA2_LOCAL = dict(logits_soft_cap=50.0, local_window_size=300, bound="cap")
-LATE_SUM_CASES = [("online", {}, 128), ("online", {}, 256), ("online", dict(softmax_barrier=False), 256),
-                  ("clis", GEMMA2_LOCAL, 256), ("clis", dict(GEMMA2_LOCAL, exact_sum=False), 256),
-                  ("clis", dict(GEMMA2_LOCAL, softmax_barrier=False), 256)]
-TILE_KEYS = ("exact_sum", "softmax_barrier")
-
-
-def _late_sum_tiles(d, kw, late):
-  """The default tiles with the case's tile keywords; late: the row sum moved (and the barrier as the case says)."""
-  tiles = pallas_mgpu.default_block_sizes(d, 1024, jnp.bfloat16)
-  return dataclasses.replace(tiles, sum_during_pv=late, exact_sum=kw.get("exact_sum", True),
-                             softmax_barrier=kw.get("softmax_barrier", True) or not late)
-
-
-@pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
-@pytest.mark.parametrize("stabilizer,kw,d", LATE_SUM_CASES)
-@pytest.mark.parametrize("causal,packed", [(True, True), (False, False)])
-def test_sum_during_pv_lowers_for_the_gpu(stabilizer, kw, d, causal, packed):
-  """BlockSizes(sum_during_pv=True), each step's row sum formed behind P·V's wgmma, lowers for an H200 as one forward
-  kernel in the online and the certified loop."""
-  tiles = _late_sum_tiles(d, kw, True)
-  kw = {key: value for key, value in kw.items() if key not in TILE_KEYS}
-  q = jax.ShapeDtypeStruct((1, 512, 8, d), jnp.bfloat16)
-  k = jax.ShapeDtypeStruct((1, 512, 2, d), jnp.bfloat16)
-  seg = jax.ShapeDtypeStruct((1, 512), jnp.int32) if packed else None
-  fwd = lambda q, k, v, seg: attention(q, k, v, seg, causal=causal, implementation="pallas_mgpu", platform=HOPPER,
-                                       stabilizer=stabilizer, block_sizes=tiles, **kw)
-  assert lower_for_h200(fwd, q, k, k, seg).count("custom_call @mosaic_gpu") == 1
-
-
-@needs_gpu
-@pytest.mark.parametrize("stabilizer,kw,d", LATE_SUM_CASES)
-def test_sum_during_pv_matches_on_gpu(stabilizer, kw, d):
-  """The row sum moved behind P·V's wgmma (and the softmax's optimization barrier dropped) sums the same weights in the
-  same order: o within one bf16 rounding of the default forward (ptxas may fuse l·α + Σp differently), and within
-  bf16's tolerance of float64 (inputs scaled up with a cap, so that it bites)."""
-  seq = 1024
-  tiles = {late: _late_sum_tiles(d, kw, late) for late in (True, False)}
-  kw = {key: value for key, value in kw.items() if key not in TILE_KEYS}
-  q, k, v, do = random_inputs(seq + d, 1, seq, 8, 2, d, jnp.bfloat16)
-  if "logits_soft_cap" in kw:
-    q, k = q * 4.0, k * 4.0
-  got = {late: attention(q, k, v, causal=True, implementation="pallas_mgpu", stabilizer=stabilizer,
-                         block_sizes=t, **kw).astype(jnp.float32) for late, t in tiles.items()}
-  np.testing.assert_allclose(np.asarray(got[True]), np.asarray(got[False]), rtol=2.0 ** -7, atol=2.0 ** -16)
-  want = ref.attention(q, k, v, do, None, causal=True, softcap=kw.get("logits_soft_cap"),
-                       window=masks.as_window(kw.get("local_window_size"), causal=True))[0]
   assert ref.rel_err(got[True], want) < TOLERANCE[jnp.bfloat16][0]
 
 

@@ -76,14 +76,6 @@ class BlockSizes:
   the unrounded sum and nothing more is summed.
   sum_on_tensor_cores: that sum as a second wgmma, P·ones against a [block_kv, 16] tile of ones in shared
   memory, issued with P·V (no conversion on the vector units).
-  sum_during_pv: the step's row sum (online: the weights' unrounded sum; certified: the weights as exact_sum says) is
-  formed right after P·V's wgmma is issued, while it runs, rather than in the softmax before the tensor cores are
-  handed over; tokamax's forward does this above head dim 128. The same sums in the same order (bit-identical
-  outputs); the unrounded weights stay in registers until P·V is issued. Ping-pong step only (overlap=False,
-  sum_on_tensor_cores=False).
-  softmax_barrier: an optimization barrier ends each step's softmax, so that its results are computed before the
-  tensor cores are handed over; tokamax's forward sets none above head dim 128 and lets the compiler place them.
-  The same arithmetic either way.
   document_ranges: causal packed calls start each CTA's KV loop at the first block that holds a key of its
   rows' documents (masks.segment_block_ranges), as tokamax's per-row k_start does; the blocks before it are
   wholly masked and were visited for nothing (8k rows of packed ~500-token documents: 70-80% of the causal
@@ -114,8 +106,6 @@ class BlockSizes:
   exact_sum: bool = True
   exact_lse: bool = True
   sum_on_tensor_cores: bool = False
-  sum_during_pv: bool = False
-  softmax_barrier: bool = True
   document_ranges: bool = True
   soft_cap_tanh: str = "approx"
   heads_per_cta: int | None = None
@@ -129,9 +119,6 @@ class BlockSizes:
     if self.sum_on_tensor_cores and (not self.exact_sum or self.overlap):
       raise ValueError("sum_on_tensor_cores=True sums the rounded weights (exact_sum=True) in the ping-pong step "
                        "(overlap=False)")
-    if self.sum_during_pv and (self.overlap or self.sum_on_tensor_cores):
-      raise ValueError("sum_during_pv=True moves the ping-pong step's row sum behind P·V's wgmma: it needs overlap=False "
-                       "and sum_on_tensor_cores=False")
     if self.overlap and self.pingpong:
       raise ValueError("overlap=True needs pingpong=False (each warpgroup overlaps its own steps instead)")
     if self.block_q != 64:
@@ -321,8 +308,7 @@ def _launch(q, k, v, segment_ids, stab, *, mode: Mode, causal, scale, kv_len, bl
       slots=min(bs.slots, num_kv_blocks), kv_len=kv_len, group=num_heads // k.shape[2],
       has_segments=segment_ids is not None, row_centres=row_centres, pingpong=bs.pingpong, overlap=bs.overlap,
       exact_sum=bs.exact_sum, tc_sum=bs.sum_on_tensor_cores and mode != "online", listed=visit is not None,
-      lse_sum=bs.exact_lse and bs.exact_sum and mode != "online", sum_during_pv=bs.sum_during_pv,
-      softmax_barrier=bs.softmax_barrier,
+      lse_sum=bs.exact_lse and bs.exact_sum and mode != "online",
       track=track and visit is not None, list_width=0 if visit is None else visit.shape[-1],
       doc_ranges=bs.document_ranges and causal and segment_ids is not None and visit is None and window is None,
       window=None if window is None else tuple(int(w) for w in window),

@@ -50,8 +50,6 @@ class Config:
   exact_sum: bool
   tc_sum: bool  # BlockSizes.sum_on_tensor_cores, in a mode with a certified loop
   lse_sum: bool = False  # certified rows carry the unrounded weights' sum for lse (exact_lse with exact_sum)
-  sum_during_pv: bool = False  # BlockSizes.sum_during_pv
-  softmax_barrier: bool = True  # BlockSizes.softmax_barrier
   listed: bool = False  # walk a kept-tile list per CTA (temporal skipping; bidirectional, unpacked)
   track: bool = False  # listed: write each visited block's row maxima (the skip marking statistic)
   list_width: int = 0  # listed: entries per list (a power of two); the last holds the count

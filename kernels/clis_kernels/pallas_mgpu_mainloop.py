@@ -155,10 +155,10 @@ def _step(c: Config, s: Scratch, ss, r: Rows, fixed: bool, m0, i, carry, masked:
 
   qk = pl.run_scoped(qk_scope, plgpu.ACC((c.block_q, c.block_kv), jnp.float32))
   with jax.named_scope("softmax"):
-    acc, m, l, l_lse, p_low, unsummed = _weights(c, s, ss, r, fixed, i, slot, masked, qk, acc, m, l, l_lse)
+    acc, m, l, l_lse, p_low = _weights(c, s, ss, r, fixed, i, slot, masked, qk, acc, m, l, l_lse)
   if c.pingpong:
     plgpu.barrier_arrive(s.schedule)  # softmax done
-  if fixed and c.exact_sum and not c.tc_sum and not c.sum_during_pv:  # while the other warpgroup holds the tensor cores
+  if fixed and c.exact_sum and not c.tc_sum:  # while the other warpgroup holds the tensor cores
     with jax.named_scope("rounded_sum"):
       l = l + p_low.astype(jnp.float32).sum(axis=1)
   with jax.named_scope("await_turn"):
@@ -166,58 +166,48 @@ def _step(c: Config, s: Scratch, ss, r: Rows, fixed: bool, m0, i, carry, masked:
     if c.pingpong:
       plgpu.barrier_wait(s.schedule)  # tensor cores free again
 
-  tc_sum = fixed and c.tc_sum
-
   def pv(refs):
     acc_ref, l_ref = refs
     plgpu.wgmma(acc_ref, p_low, s.v.at[slot])
-    if tc_sum:  # the rounded weights' sum, on the tensor cores
+    if l_ref is not None:  # the rounded weights' sum, on the tensor cores
       plgpu.wgmma(l_ref, p_low, s.ones)
-    elif unsummed is not None:  # BlockSizes.sum_during_pv: the row sum while P·V runs
-      l_ref[...] += unsummed.astype(jnp.float32).sum(axis=1)
 
     @pl.when(i + 1 < r.total)
     def _():
       plgpu.barrier_wait(s.k_ready.at[lax.rem(i + 1, jnp.int32(c.slots))])
 
-  l_init = plgpu.ACC.init(l) if tc_sum else (l if unsummed is not None else None)
+  tc_sum = fixed and c.tc_sum
   with jax.named_scope("pv"):
-    acc, l_new = pl.run_state(pv)((plgpu.ACC.init(acc), l_init))
-  l = l if l_init is None else l_new
+    acc, l_new = pl.run_state(pv)((plgpu.ACC.init(acc), plgpu.ACC.init(l) if tc_sum else None))
+  l = l_new if tc_sum else l
   plgpu.barrier_arrive(s.v_free.at[slot])
   return (acc, l, l_lse) if fixed else (acc, m, l)
 
 
 def _weights(c: Config, s: Scratch, ss, r: Rows, fixed: bool, i, slot, masked: bool, qk, acc, m, l, l_lse):
-  """The step's softmax on block i's Q·Kᵀ [block_q, block_kv]: (acc, m, l, l_lse, the weights in q's dtype, the
-  weights l has yet to add or None), certified with the fixed M (m) or online (running max m, acc and l rescaled).
-  With BlockSizes.sum_during_pv l is added to while P·V runs (`_step`); a certified loop with exact_sum otherwise
-  adds the rounded weights there too, after the softmax."""
+  """The step's softmax on block i's Q·Kᵀ [block_q, block_kv]: (acc, m, l, l_lse, the weights in q's dtype),
+  certified with the fixed M (m) or online (running max m, acc and l rescaled)."""
   qk = _visible(c, s, ss, r, _capped(c, qk), i, slot, masked)
   row_max = qk.max(axis=1) * c.logit_scale if c.track or not fixed else None
   if c.track:
     _record_row_max(c, r, i, row_max)
-  late = c.sum_during_pv
   if fixed:  # the certified step: no max, no rescale
     p = jnp.exp2(qk * c.logit_scale - lax.broadcast_in_dim(m, qk.shape, [0]))
     p_low = p.astype(r.dtype)
-    unsummed = (p_low if c.exact_sum else p) if late else None
-    if not c.exact_sum and not late:
+    if not c.exact_sum:
       l = l + p.sum(axis=1)  # the unrounded weights: see pallas_mgpu.py's docstring (BlockSizes.exact_sum)
     if c.lse_sum:  # lse's sum, unrounded, while p is in registers (BlockSizes.exact_lse)
       l_lse = l_lse + p.sum(axis=1)
-    if c.softmax_barrier:
-      acc, l, l_lse, p_low, unsummed = lax.optimization_barrier((acc, l, l_lse, p_low, unsummed))
+    acc, l, l_lse, p_low = lax.optimization_barrier((acc, l, l_lse, p_low))
   else:
     m_new = jnp.maximum(m, row_max)
     alpha = jnp.exp2(m - m_new)
     p = jnp.exp2(qk * c.logit_scale - lax.broadcast_in_dim(m_new, qk.shape, [0]))
     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-    l, unsummed = (l * alpha, p) if late else (l * alpha + p.sum(axis=1), None)
+    l = l * alpha + p.sum(axis=1)
     m, p_low = m_new, p.astype(r.dtype)
-    if c.softmax_barrier:
-      acc, m, l, p_low, unsummed = lax.optimization_barrier((acc, m, l, p_low, unsummed))
-  return acc, m, l, l_lse, p_low, unsummed
+    acc, m, l, p_low = lax.optimization_barrier((acc, m, l, p_low))
+  return acc, m, l, l_lse, p_low
 
 
 def _overlapped_step(c: Config, s: Scratch, ss, r: Rows, m0, i, carry, masked: bool):

@@ -55,10 +55,6 @@
 #                      with cap 50), the D 256 forward alone (the default timed twice) against cuDNN and tokamax (sink
 #                      inputs), and D 128 bwd / fwd+bwd with the default timed twice (online_twin: the spread between
 #                      identical versions) against cuDNN, 8k and 32k
-#   late_sum           the forward's row sum formed while P·V runs (BlockSizes.sum_during_pv, tokamax's order above head
-#                      dim 128): GPU tests, then forward at Gemma 2's local layer (D 256, cap 50, window 4096, GQA 16/8;
-#                      online and the cap's bound with the rounded and the unrounded sum, with and without the move,
-#                      against tokamax), D 256 and D 128 (GQA 32/8) causal against cuDNN, 8k and 32k, sink inputs
 #   tokamax_grid       how much of tokamax's forward lead at Gemma 2's local layer (D 256, cap 50, window 4096, GQA 16/8)
 #                      its persistent grid gives: tokamax_mosaic (its heuristics: persistent with a window), persistent
 #                      and one CTA per q tile, against ours (online), 8k and 32k; then D 128 (GQA 32/8) window 4096
@@ -238,18 +234,6 @@ case "$1" in
           --tokens 32768 --seq-lens 8192 32768 --impls online clis_mgpu_cap clis_cap_unrounded clis_cap_tc_sum \
           tokamax_streamed tokamax_mosaic --out "$OUT/gemma2_fwd_$inputs.json"
     done ;;
-  late_sum)
-    TAIL=6 step late_sum_tests 110 timeout -s INT 100 $GPU_TEST tests/test_pallas_mgpu.py -k "sum_during_pv" --durations 3
-    fwd=(--causal yes --packed no --inputs sinks_many --passes fwd --repeats 5 --inner 3 --tokens 32768
-         --seq-lens 8192 32768)
-    TAIL=18 step late_sum_gemma2 130 python3 scripts/bench_attention.py --suite llm --llm-heads 16 8 256 --softcap 50 \
-        --window 4096 "${fwd[@]}" --impls online online_sum_during_pv clis_mgpu_cap clis_cap_during_pv \
-        clis_cap_unrounded_during_pv online_during_pv_no_barrier clis_cap_during_pv_no_barrier tokamax_streamed \
-        --out "$OUT/late_sum_gemma2.json"
-    TAIL=8 step late_sum_d256 90 python3 scripts/bench_attention.py --suite llm --llm-heads 16 8 256 "${fwd[@]}" \
-        --impls online online_sum_during_pv online_during_pv_no_barrier cudnn --out "$OUT/late_sum_d256.json"
-    TAIL=8 step late_sum_d128 80 python3 scripts/bench_attention.py --suite llm "${fwd[@]}" \
-        --impls online online_sum_during_pv cudnn --out "$OUT/late_sum_d128.json" ;;
   tokamax_grid)
     grid=(--causal yes --packed no --inputs sinks_many --passes fwd --repeats 7 --inner 3 --tokens 32768
           --seq-lens 8192 32768 --impls online tokamax_mosaic tokamax_persistent tokamax_streamed)
