@@ -140,9 +140,13 @@ def run(args):
   hq, hkv, d = args.heads
   q, k, v, _, _ = testing.inputs("sinks_many", args.batch, args.seq, hq, hkv, d)
   cap = {} if args.softcap is None else dict(logits_soft_cap=args.softcap)
+  if args.window is not None:
+    cap["local_window_size"] = (args.window, 0)
   if args.impl.startswith("ours"):
+    import dataclasses
     from clis_kernels import pallas_mgpu
-    tiles = pallas_mgpu.BlockSizes(one_memory_warp=args.impl != "ours_four_warps")
+    tiles = dataclasses.replace(pallas_mgpu.default_block_sizes(d, args.seq, q.dtype),
+                                one_memory_warp=args.impl != "ours_four_warps")
     forward = jax.jit(lambda q, k, v: attention(q, k, v, causal=True, implementation="pallas_mgpu",
                                                 stabilizer=args.stabilizer, block_sizes=tiles, **cap))
   else:
@@ -163,6 +167,7 @@ def main():
   r.add_argument("--stabilizer", choices=("online", "clis"), default="online", help="ours only")
   r.add_argument("--softcap", type=float, default=None)
   r.add_argument("--heads", type=int, nargs=3, default=[32, 8, 128], metavar=("HQ", "HKV", "D"))
+  r.add_argument("--window", type=int, default=None, help="keys to the left a query sees (causal local window)")
   r.add_argument("--seq", type=int, default=8192)
   r.add_argument("--batch", type=int, default=1)
   r.add_argument("--calls", type=int, default=1, help="forward calls (ncu profiles the kernel's launches)")
