@@ -55,8 +55,9 @@
 #                      with cap 50), the D 256 forward alone (the default timed twice) against cuDNN and tokamax (sink
 #                      inputs), and D 128 bwd / fwd+bwd with the default timed twice (online_twin: the spread between
 #                      identical versions) against cuDNN, 8k and 32k
-#   ncu_gemma2         ncu's speed-of-light, instruction, warp-state and scheduler sections of our forward and tokamax's
-#                      (its heuristics) at Gemma 2's local layer (D 256, cap 50, window 4096, GQA 16/8, 8k, sinks)
+#   ncu_gemma2         our forward and tokamax's (its heuristics) at Gemma 2's local layer (D 256, cap 50, window 4096,
+#                      GQA 16/8, 8k, sinks): the PTX/SASS dumps with ptxas's registers and spills, then ncu's
+#                      speed-of-light, instruction, warp-state and scheduler sections
 #   tokamax_grid       how much of tokamax's forward lead at Gemma 2's local layer (D 256, cap 50, window 4096, GQA 16/8)
 #                      its persistent grid gives: tokamax_mosaic (its heuristics: persistent with a window), persistent
 #                      and one CTA per q tile, against ours (online), 8k and 32k; then D 128 (GQA 32/8) window 4096
@@ -237,11 +238,16 @@ case "$1" in
           tokamax_streamed tokamax_mosaic --out "$OUT/gemma2_fwd_$inputs.json"
     done ;;
   ncu_gemma2)
+    gemma2=(--heads 16 8 256 --softcap 50 --window 4096)
+    for impl in ours tokamax; do  # ptxas's registers and spills first (sass_forward.py count reads the dumps here)
+      TAIL=3 step "sass_gemma2_$impl" 90 python3 notes/experiments/sass_forward.py run --impl "$impl" "${gemma2[@]}" \
+          --dump-dir "$OUT/dump_gemma2_$impl"
+    done
     for impl in ours tokamax; do
       TAIL=60 step "ncu_gemma2_$impl" 100 timeout -s INT 90 ncu --clock-control none -k "regex:anonymous|flash_attention" \
           --launch-count 1 --section SpeedOfLight --section InstructionStats --section WarpStateStats \
-          --section SchedulerStats python3 notes/experiments/sass_forward.py run --impl "$impl" --heads 16 8 256 \
-          --softcap 50 --window 4096 --no-dump --dump-dir /tmp/ncu_dump
+          --section SchedulerStats python3 notes/experiments/sass_forward.py run --impl "$impl" "${gemma2[@]}" \
+          --no-dump --dump-dir /tmp/ncu_dump
     done ;;
   tokamax_grid)
     grid=(--causal yes --packed no --inputs sinks_many --passes fwd --repeats 7 --inner 3 --tokens 32768
