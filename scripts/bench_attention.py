@@ -141,7 +141,8 @@ FEATURED = ("clis", "online", "clis_blocks", "clis_radius", "clis_cap", "clis_mg
             "cudnn", "clis_triton", "online_triton", "clis_mgpu",
             "online_mgpu", "clis_mgpu_triton_bwd", "online_mgpu_triton_bwd", "clis_exp2_tanh", "online_exp2_tanh",
             "online_heads1", "online_heads2", "online_heads4", "online_heads8", "tokamax_mosaic", "tokamax_triton",
-            "online_four_warps", "clis_mgpu_four_warps", "online_overlap_bwd", "online_serial_bwd",
+            "online_four_warps", "clis_mgpu_four_warps", "online_named", "clis_mgpu_named", "clis_cap_named",
+            "online_overlap_bwd", "online_serial_bwd",
             "online_dq_overlap_bwd", "online_twin", "tokamax_persistent", "tokamax_streamed")
 
 
@@ -217,10 +218,10 @@ def _heads_per_cta(q, k, v, seg, causal, stabilizer, heads, **kw):
                    block_sizes=dataclasses.replace(tiles, heads_per_cta=heads), **kw)
 
 
-def _four_warps(q, k, v, seg, causal, stabilizer, **kw):
-  """The Mosaic GPU forward with the whole memory warpgroup streaming blocks (BlockSizes(one_memory_warp=False), the
-  default before 2026-12-04) at the head dim's default tiles."""
-  tiles = dataclasses.replace(pallas_mgpu.default_block_sizes(q.shape[-1], q.shape[1], q.dtype), one_memory_warp=False)
+def _forward_tiles(q, k, v, seg, causal, stabilizer, changes: dict, **kw):
+  """The Mosaic GPU forward at the head dim's default tiles with `changes` made to them: one_memory_warp=False (the
+  whole memory warpgroup streaming blocks, the default before 2026-12-04) or named_barriers=True."""
+  tiles = dataclasses.replace(pallas_mgpu.default_block_sizes(q.shape[-1], q.shape[1], q.dtype), **changes)
   return attention(q, k, v, seg, causal=causal, stabilizer=stabilizer, implementation="pallas_mgpu",
                    block_sizes=tiles, **kw)
 
@@ -313,8 +314,12 @@ def implementations(names, platform, quick):
     table["online_serial_bwd"] = functools.partial(_bwd_order, stabilizer="online", overlap_dq=False, overlap_dkv=False)
     table["online_dq_overlap_bwd"] = functools.partial(_bwd_order, stabilizer="online", overlap_dq=True,
                                                        overlap_dkv=False)
-    table["online_four_warps"] = functools.partial(_four_warps, stabilizer="online")
-    table["clis_mgpu_four_warps"] = functools.partial(_four_warps, stabilizer="clis")
+    four_warps, named = dict(one_memory_warp=False), dict(named_barriers=True)
+    table["online_four_warps"] = functools.partial(_forward_tiles, stabilizer="online", changes=four_warps)
+    table["clis_mgpu_four_warps"] = functools.partial(_forward_tiles, stabilizer="clis", changes=four_warps)
+    table["online_named"] = functools.partial(_forward_tiles, stabilizer="online", changes=named)
+    table["clis_mgpu_named"] = functools.partial(_forward_tiles, stabilizer="clis", changes=named)
+    table["clis_cap_named"] = functools.partial(_forward_tiles, stabilizer="clis", changes=named, bound="cap")
     for heads in (1, 2, 4, 8):
       table[f"online_heads{heads}"] = functools.partial(_heads_per_cta, stabilizer="online", heads=heads)
     table["tokamax_k_start"] = _tokamax_k_start

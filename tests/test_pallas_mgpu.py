@@ -310,7 +310,12 @@ def test_unsupported_inputs_get_one_clear_error(kwargs, message):
                                             (dict(slots=1), "slots=1 must be at least 2"),
                                             (dict(overlap=True), "overlap=True needs pingpong=False"),
                                             (dict(sum_on_tensor_cores=True, exact_sum=False),
-                                             "sum_on_tensor_cores=True sums the rounded weights")])
+                                             "sum_on_tensor_cores=True sums the rounded weights"),
+                                            (dict(named_barriers=True, pingpong=False), "named_barriers=True needs"),
+                                            (dict(named_barriers=True, one_memory_warp=False),
+                                             "named_barriers=True needs"),
+                                            (dict(named_barriers=True, heads_per_cta=2), "named_barriers=True needs"),
+                                            (dict(named_barriers=True, slots=6), "slots=6 must be at most 5")])
 def test_block_sizes_are_validated(kwargs, message):
   with pytest.raises(ValueError, match=message):
     pallas_mgpu.BlockSizes(**kwargs)
@@ -891,6 +896,62 @@ def test_streaming_warps_change_nothing_on_gpu(stabilizer, kw, causal, packed):
                         block_sizes=pallas_mgpu.BlockSizes(one_memory_warp=one), **kw) for one in (True, False)}
   np.testing.assert_array_equal(np.asarray(got[True].astype(jnp.float32)), np.asarray(got[False].astype(jnp.float32)))
   want = ref.attention(q, k, v, do, seg, causal=causal, softcap=kw.get("logits_soft_cap"))[0]
+  assert ref.rel_err(got[True], want) < TOLERANCE[jnp.bfloat16][0]
+
+
+NAMED_CASES = [  # (d, hq, hkv, causal, packed, stabilizer, keywords): Gemma 2's local layer (cap, window), a
+    # causal drain with 64-key blocks (the two warpgroups' ranges differ by a block), packed, bidirectional, sinks
+    (256, 4, 2, True, False, "online", dict(logits_soft_cap=50.0, local_window_size=(384, 0))),
+    (256, 4, 2, True, False, "clis", dict(logits_soft_cap=50.0, bound="cap", local_window_size=(384, 0))),
+    (256, 4, 2, True, False, "clis", {}),
+    (128, 8, 2, True, True, "clis", {}),
+    (128, 8, 2, False, False, "online", {}),
+    (64, 8, 2, True, False, "online", dict(local_window_size=(128, 0))),
+]
+
+
+@pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
+@pytest.mark.parametrize("d,hq,hkv,causal,packed,stabilizer,kw", NAMED_CASES)
+def test_named_barriers_lower_for_the_gpu(d, hq, hkv, causal, packed, stabilizer, kw):
+  """BlockSizes(named_barriers=True) lowers for an H200 as one forward kernel holding the schedule's and the slots'
+  hardware barrier operations (FA3's: each warpgroup arrives for the other, 256 threads; slots: 288)."""
+  q = jax.ShapeDtypeStruct((1, 512, hq, d), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, 512, hkv, d), jnp.bfloat16)
+  seg = jax.ShapeDtypeStruct((1, 512), jnp.int32) if packed else None
+  tiles = dataclasses.replace(pallas_mgpu.default_block_sizes(d, 512, jnp.bfloat16), named_barriers=True)
+  fwd = lambda q, k, v, seg: attention(q, k, v, seg, causal=causal, implementation="pallas_mgpu", platform=HOPPER,
+                                       stabilizer=stabilizer, block_sizes=tiles, **kw)
+  text = lower_for_h200(fwd, q, k, k, seg)
+  assert text.count("custom_call @mosaic_gpu") == 1
+  for op in ("bar.arrive $0, 256;", "bar.sync $0, 256;", "bar.arrive $0, 288;", "bar.sync $0, 288;"):
+    assert op in text, op
+
+
+def test_named_barriers_refuse_kept_tile_lists():
+  q = jnp.zeros((1, 256, 2, 128), jnp.bfloat16)
+  visit = jnp.zeros((1, 2, 2, 4), jnp.int32)
+  with pytest.raises(ValueError, match="named_barriers=True takes no kept-tile list"):
+    jax.eval_shape(lambda q, visit: pallas_mgpu.forward_listed(
+        q, q, q, visit, None, mode=plan.Mode.ONLINE, scale=0.1, kv_len=None, track=False,
+        block_sizes=pallas_mgpu.BlockSizes(named_barriers=True)), q, visit)
+
+
+@needs_gpu
+@pytest.mark.parametrize("d,hq,hkv,causal,packed,stabilizer,kw", NAMED_CASES)
+def test_named_barriers_change_nothing_on_gpu(d, hq, hkv, causal, packed, stabilizer, kw):
+  """The turns and the slots' release on named barriers only order the same steps: o bit-identical to the mbarrier
+  schedule's, and within bf16's tolerance of float64 (inputs scaled up with a cap, so that it bites)."""
+  seq = 2048
+  q, k, v, do = random_inputs(seq + d, 1, seq, hq, hkv, d, jnp.bfloat16)
+  if "logits_soft_cap" in kw:
+    q, k = q * 4.0, k * 4.0
+  seg = packed_segments(seq, 1, seq) if packed else None
+  tiles = pallas_mgpu.default_block_sizes(d, seq, jnp.bfloat16)
+  got = {named: attention(q, k, v, seg, causal=causal, implementation="pallas_mgpu", stabilizer=stabilizer,
+                          block_sizes=dataclasses.replace(tiles, named_barriers=named), **kw) for named in (True, False)}
+  np.testing.assert_array_equal(np.asarray(got[True].astype(jnp.float32)), np.asarray(got[False].astype(jnp.float32)))
+  want = ref.attention(q, k, v, do, seg, causal=causal, softcap=kw.get("logits_soft_cap"),
+                       window=kw.get("local_window_size"))[0]
   assert ref.rel_err(got[True], want) < TOLERANCE[jnp.bfloat16][0]
 
 

@@ -7,15 +7,58 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import NamedTuple
 
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from clis_kernels import masks
 
 COMPUTE_WARPGROUPS = 2
+WARPGROUP_THREADS = 128
+FIRST_NAMED_BARRIER = 4  # Mosaic GPU keeps hardware barriers 0 (the CTA's) and 1-3 (one per warpgroup) for itself
+NAMED_BARRIERS = 16  # hardware barriers per CTA
+
+
+class NamedBarriers(NamedTuple):
+  """Hardware barrier ids of the forward's named-barrier schedule (BlockSizes.named_barriers), FA3's: schedule + w is
+  the one compute warpgroup w syncs on before its P·V (the other arrives once its Q·Kᵀ is issued); k_free + slot and
+  v_free + slot the ones a K / V slot's consumers arrive on and its streaming warp syncs on before refilling it."""
+
+  schedule: int
+  k_free: int
+  v_free: int
+
+  @classmethod
+  def for_slots(cls, slots: int) -> NamedBarriers:
+    k_free = FIRST_NAMED_BARRIER + COMPUTE_WARPGROUPS
+    if k_free + 2 * slots > NAMED_BARRIERS:
+      raise ValueError(f"{slots=} must be at most {(NAMED_BARRIERS - k_free) // 2} with named_barriers=True "
+                       f"(two hardware barriers a slot, {NAMED_BARRIERS} per CTA)")
+    return cls(FIRST_NAMED_BARRIER, k_free, k_free + slots)
+
+
+SCHEDULE_THREADS = COMPUTE_WARPGROUPS * WARPGROUP_THREADS  # both compute warpgroups meet on a schedule barrier
+CONSUMED_THREADS = SCHEDULE_THREADS + 32  # and the one streaming warp on a slot's
+
+
+def named_barrier(op: str, barrier, threads: int):
+  """PTX `bar.arrive` (op "arrive": count the calling threads in and go on) or `bar.sync` ("sync": count them in and
+  wait) on hardware barrier `barrier` (a python int or a traced int32) that completes at `threads` threads. It counts
+  threads, not phases: a caller must not arrive twice before the barrier completes the first time."""
+  if isinstance(barrier, int):
+    @plgpu.inline_mgpu()
+    def static_op(_):
+      mgpu.utils.inline_ptx(f"bar.{op} {barrier}, {threads};", convergent=True)
+    static_op()
+  else:
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WG_SPLAT,))
+    def dynamic_op(_, barrier_id):
+      mgpu.utils.inline_ptx(f"bar.{op} $0, {threads};", barrier_id.registers[()], convergent=True)
+    dynamic_op(jnp.asarray(barrier, jnp.int32))
 
 
 def swizzled():
@@ -60,11 +103,21 @@ def kv_blocks(row0, rows, *, causal: bool, block_kv: int, num_kv_blocks: int, kv
   return masks.bidirectional_kv_blocks(kv_len=kv_len, block_k=block_kv, num_kv_blocks=num_kv_blocks)
 
 
+def named_free(ids: NamedBarriers):
+  """stream_blocks's `free` on named barriers: the streaming warp syncs on the slot's K and V barriers, which complete
+  once both compute warpgroups have arrived (pallas_mgpu_mainloop._release)."""
+  def free(slot):
+    named_barrier("sync", ids.k_free + slot, CONSUMED_THREADS)
+    named_barrier("sync", ids.v_free + slot, CONSUMED_THREADS)
+  return free
+
+
 def stream_blocks(load, *, num_blocks, slots: int, free, one_warp: bool = False):
   """The memory warpgroup's loop: load(block, slot) for blocks [0, num_blocks), round-robin over
   `slots` shared-memory buffers; a slot is refilled once every barrier in `free` says both compute
-  warpgroups are done with its previous block. one_warp: only the warpgroup's first warp runs it (as tokamax's
-  forward), so the other three issue nothing on the schedulers they share with the compute warps."""
+  warpgroups are done with its previous block (or, `free` a function, once free(slot) returns). one_warp: only the
+  warpgroup's first warp runs it (as tokamax's forward), so the other three issue nothing on the schedulers they share
+  with the compute warps."""
   def loop():
     for slot in range(slots):
       pl.when(slot < num_blocks)(functools.partial(load, jnp.int32(slot), slot))
@@ -72,8 +125,11 @@ def stream_blocks(load, *, num_blocks, slots: int, free, one_warp: bool = False)
     @pl.loop(jnp.int32(slots), jnp.asarray(num_blocks, jnp.int32))  # int32 under jax_enable_x64 too
     def _(block):
       slot = lax.rem(block, jnp.int32(slots))
-      for barrier in free:
-        plgpu.barrier_wait(barrier.at[slot])
+      if callable(free):
+        free(slot)
+      else:
+        for barrier in free:
+          plgpu.barrier_wait(barrier.at[slot])
       load(block, slot)
 
   if one_warp:

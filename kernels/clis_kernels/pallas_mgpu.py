@@ -40,7 +40,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from clis_kernels import masks
 from clis_kernels.common import out_struct
-from clis_kernels.mgpu_pipeline import COMPUTE_WARPGROUPS, RANGE_WIDTH, compiler_params
+from clis_kernels.mgpu_pipeline import COMPUTE_WARPGROUPS, RANGE_WIDTH, NamedBarriers, compiler_params
 from clis_kernels.pallas_mgpu_kernel import FAILED_TILE_M, Config, kernel, list_shape
 from clis_kernels.pallas_mgpu_mainloop import SUM_COLUMNS, TANHS
 from clis_kernels.plan import Mode, stabilizer_inputs
@@ -94,6 +94,10 @@ class BlockSizes:
   instructions issued with four, tokamax's 263.4M with equal step loops); the certified loop within ±1%; the same
   in the backward's kernels measured ~1% slower, so they keep four (BENCHMARKS.md §1). `forward_listed` keeps four:
   its steps read the kept-tile list from shared memory, a load Mosaic GPU refuses inside per-warp code.
+  named_barriers: the warpgroups' turns and the K/V slots' release on hardware named barriers (`bar.arrive` /
+  `bar.sync`, mgpu_pipeline.NamedBarriers), as FA3 and tokamax's forward do, instead of mbarriers: per step one
+  arrive and one sync for the turn (not two mbarrier arrives and two waits) and one arrive per slot released. Needs
+  pingpong, one_memory_warp and one head per CTA. Measured against the default: notes/kernels.md.
   The backward is the registry's choice (plan.py): "pallas_mgpu" takes pallas_mgpu_vjp's,
   "pallas_mgpu_triton_bwd" pallas_gpu_vjp's, each with its own BlockSizes.
   """
@@ -110,8 +114,15 @@ class BlockSizes:
   soft_cap_tanh: str = "approx"
   heads_per_cta: int | None = None
   one_memory_warp: bool = True
+  named_barriers: bool = False
 
   def __post_init__(self):
+    if self.named_barriers and not (self.pingpong and self.one_memory_warp and self.heads_per_cta in (None, 1)):
+      raise ValueError(f"named_barriers=True needs pingpong=True, one_memory_warp=True and heads_per_cta 1 or None "
+                       f"(got {self.pingpong=}, {self.one_memory_warp=}, {self.heads_per_cta=}): its barriers count "
+                       "the two compute warpgroups and one streaming warp, once per head")
+    if self.named_barriers:
+      NamedBarriers.for_slots(self.slots)  # raises when the slots' barriers do not fit
     if self.heads_per_cta is not None and self.heads_per_cta < 1:
       raise ValueError(f"{self.heads_per_cta=} must be at least 1")
     if self.soft_cap_tanh not in TANHS:
@@ -313,9 +324,14 @@ def _launch(q, k, v, segment_ids, stab, *, mode: Mode, causal, scale, kv_len, bl
       doc_ranges=bs.document_ranges and causal and segment_ids is not None and visit is None and window is None,
       window=None if window is None else tuple(int(w) for w in window),
       cap2=None if softcap is None else float(softcap) * LOG2E, tanh=bs.soft_cap_tanh, sinks=sinks is not None,
-      one_memory_warp=bs.one_memory_warp)
+      one_memory_warp=bs.one_memory_warp, named=bs.named_barriers)
+  if config.named and config.listed:
+    raise ValueError("named_barriers=True takes no kept-tile list (forward_listed streams with four warps): "
+                     "use named_barriers=False")
   heads = bs.heads_per_cta
-  if heads is None:
+  if heads is None and config.named:
+    heads = 1
+  elif heads is None:
     heads = auto_heads_per_cta(mode=mode, group=config.group, window=config.window, listed=config.listed,
                                split_dims=q.shape[-1] != v.shape[-1], head_dim=q.shape[-1])
   config = dataclasses.replace(config, heads=heads)

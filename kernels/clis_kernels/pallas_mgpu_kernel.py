@@ -22,8 +22,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from clis_kernels import masks
 from clis_kernels.common import int32_loop
-from clis_kernels.mgpu_pipeline import (COMPUTE_WARPGROUPS, cta_first_row, kv_blocks, range_scratch, read_range_entry,
-                                        stream_kv, swizzled)
+from clis_kernels.mgpu_pipeline import (COMPUTE_WARPGROUPS, NamedBarriers, cta_first_row, kv_blocks, named_free,
+                                        range_scratch, read_range_entry, stream_kv, swizzled)
 from clis_kernels.pallas_mgpu_mainloop import SUM_COLUMNS, TANH_ERROR, attend, cap_tanh, take_turn, turn
 from clis_kernels.stabilizer import row_bounds, stabilize
 
@@ -60,6 +60,7 @@ class Config:
   heads: int = 1  # BlockSizes.heads_per_cta
   sinks: bool = False  # learned sink logits: the epilogue adds each head's term to the rows' sums (`_add_sink`)
   one_memory_warp: bool = True  # BlockSizes.one_memory_warp
+  named: bool = False  # BlockSizes.named_barriers
 
   @property
   def logit_scale(self) -> float:
@@ -302,7 +303,8 @@ def kernel(q_ref, k_ref, v_ref, *refs, config: Config):
         num_blocks, block_in_stream = c.heads * blocks, lambda i: block_of(lax.rem(i, per_head))
       stream_kv(k_ref, v_ref, kseg_ref, s.k, s.v, None if ss is None else ss.kseg, s.k_ready, s.v_ready,
                 None if ss is None else ss.kseg_ready, batch=batch, kv_head=kv_head, block_kv=c.block_kv,
-                num_blocks=num_blocks, slots=c.slots, free=(s.k_free, s.v_free), block_of=block_in_stream,
+                num_blocks=num_blocks, slots=c.slots, block_of=block_in_stream,
+                free=named_free(NamedBarriers.for_slots(c.slots)) if c.named else (s.k_free, s.v_free),
                 one_warp=c.one_memory_warp and not c.listed)  # list entries are smem loads, refused in warp code
 
   pl.run_scoped(body, *_scratch(c, dtype, head_dim, v_ref.shape[-1]), collective_axes="wg")

@@ -5,7 +5,8 @@ the fixed M, or online with the running max; then P·V), or with BlockSizes.over
 (block i+1's Q·Kᵀ issued before block i's exp2); `_visible` masks a block (segments, causal, window, kv_len) and
 `_capped` applies the soft cap (`cap_tanh`); `_drain` releases the blocks only the other warpgroup needs;
 `_epilogue` (with `_add_sink`'s learned sinks) writes o and lse. `take_turn` / `turn` are the two warpgroups' hand-over
-of the tensor cores (FA3's ping-pong).
+of the tensor cores (FA3's ping-pong) on an mbarrier; with BlockSizes.named_barriers `_pass_turn` / `_await_turn` hand
+them over on hardware barriers and `_release` frees K/V slots on them (FA3's and tokamax's way).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from clis_kernels import masks
 from clis_kernels.common import int32_loop
-from clis_kernels.mgpu_pipeline import finish_stores
+from clis_kernels.mgpu_pipeline import CONSUMED_THREADS, SCHEDULE_THREADS, NamedBarriers, finish_stores, named_barrier
 from clis_kernels.stabilizer import CAP_TANH_ERROR, EMPTY_LSE, LOG2E
 
 if TYPE_CHECKING:
@@ -45,6 +46,32 @@ def turn(c: Config, s: Scratch):
     take_turn(s)
 
 
+def _pass_turn(c: Config, s: Scratch, r: Rows):
+  """Once this warpgroup's Q·Kᵀ is issued: the tensor cores go to the other warpgroup (named: arrive on the barrier it
+  syncs on before its P·V; else the mbarrier rendezvous)."""
+  if c.named:
+    named_barrier("arrive", NamedBarriers.for_slots(c.slots).schedule + 1 - r.wg, SCHEDULE_THREADS)
+  else:
+    turn(c, s)
+
+
+def _await_turn(c: Config, s: Scratch, r: Rows):
+  """Before this warpgroup's P·V: wait until the other one has issued its Q·Kᵀ (named), or met it again."""
+  if c.named:
+    named_barrier("sync", NamedBarriers.for_slots(c.slots).schedule + r.wg, SCHEDULE_THREADS)
+  elif c.pingpong:
+    plgpu.barrier_wait(s.schedule)
+
+
+def _release(c: Config, free, slot, which: str):
+  """This warpgroup has read the slot's K (which "k") or V ("v"): its streaming warp may refill it once both have."""
+  if c.named:
+    ids = NamedBarriers.for_slots(c.slots)
+    named_barrier("arrive", (ids.k_free if which == "k" else ids.v_free) + slot, CONSUMED_THREADS)
+  else:
+    plgpu.barrier_arrive(free.at[slot])
+
+
 
 def attend(c: Config, g: Refs, s: Scratch, ss, r: Rows, fixed: bool, m_fixed=None):
   """The KV loop (certified with M fixed, or online), the release of blocks the other warpgroup
@@ -65,7 +92,10 @@ def attend(c: Config, g: Refs, s: Scratch, ss, r: Rows, fixed: bool, m_fixed=Non
   carry = (plgpu.layout_cast(jnp.zeros((bq, value_head_dim), jnp.float32), plgpu.Layout.WGMMA),
            *((l0, lse0) if fixed else (m0, l0)))
   plgpu.barrier_wait(s.k_ready.at[0 if isinstance(r.base, int) else lax.rem(r.base, jnp.int32(c.slots))])
-  pl.when(r.wg == 1)(r.turn)  # warpgroup 1 starts half a step behind warpgroup 0
+  if c.named:  # warpgroup 1 starts half a step behind warpgroup 0
+    pl.when(r.wg == 1)(lambda: named_barrier("sync", NamedBarriers.for_slots(c.slots).schedule + 1, SCHEDULE_THREADS))
+  else:
+    pl.when(r.wg == 1)(r.turn)
   masked_steps = c.causal or c.kv_len is not None or c.window is not None
   if fixed and c.overlap:
     def first_qk(acc_ref):
@@ -88,8 +118,12 @@ def attend(c: Config, g: Refs, s: Scratch, ss, r: Rows, fixed: bool, m_fixed=Non
     if masked_steps:
       carry = int32_loop(r.full, r.total, functools.partial(step, masked=True), carry)
   if c.causal:  # blocks the other warpgroup still needs: release them in step with its loop
-    int32_loop(r.total, r.cta_blocks, functools.partial(_drain, c, s, ss), None)
-  pl.when(r.wg == 0)(r.turn)
+    int32_loop(r.total, r.cta_blocks, functools.partial(_drain, c, s, ss, r), None)
+  if c.named:  # the last turn: warpgroup 1's last P·V
+    pl.when(r.wg == 0)(lambda: named_barrier("arrive", NamedBarriers.for_slots(c.slots).schedule + 1,
+                                             SCHEDULE_THREADS))
+  else:
+    pl.when(r.wg == 0)(r.turn)
   acc, m, l, l_lse = (carry[0], m0, *carry[1:]) if fixed else (*carry, None)
   if fixed and c.tc_sum:
     l = l.sum(axis=1) * (1.0 / SUM_COLUMNS)
@@ -105,7 +139,7 @@ def _visible(c: Config, s: Scratch, ss, r: Rows, qk, i, slot, masked: bool):
     # −inf is safe: the online loop's max starts at ONLINE_FLOOR, so a block wholly of other
     # segments adds 2^(−inf − floor) = 0; rows that never see a key are padding (zeroed below).
     qk = jnp.where(same, qk, -jnp.inf)
-  plgpu.barrier_arrive(s.k_free.at[slot])  # k and its segment ids are read
+  _release(c, s.k_free, slot, "k")  # k and its segment ids are read
   if masked:
     q_pos = r.row0 + plgpu.broadcasted_iota(jnp.int32, qk.shape, 0, layout=plgpu.Layout.WGMMA)
     k_pos = r.block_of(i) * c.block_kv + plgpu.broadcasted_iota(jnp.int32, qk.shape, 1, layout=plgpu.Layout.WGMMA)
@@ -149,22 +183,21 @@ def _step(c: Config, s: Scratch, ss, r: Rows, fixed: bool, m0, i, carry, masked:
   def qk_scope(acc_ref):
     plgpu.wgmma(acc_ref, r.q_smem, s.k.at[slot].T)
     with jax.named_scope("turn_after_qk"):
-      turn(c, s)
+      _pass_turn(c, s, r)
     with jax.named_scope("qk_wait"):
       return acc_ref[...]
 
   qk = pl.run_scoped(qk_scope, plgpu.ACC((c.block_q, c.block_kv), jnp.float32))
   with jax.named_scope("softmax"):
     acc, m, l, l_lse, p_low = _weights(c, s, ss, r, fixed, i, slot, masked, qk, acc, m, l, l_lse)
-  if c.pingpong:
+  if c.pingpong and not c.named:
     plgpu.barrier_arrive(s.schedule)  # softmax done
   if fixed and c.exact_sum and not c.tc_sum:  # while the other warpgroup holds the tensor cores
     with jax.named_scope("rounded_sum"):
       l = l + p_low.astype(jnp.float32).sum(axis=1)
   with jax.named_scope("await_turn"):
     plgpu.barrier_wait(s.v_ready.at[slot])
-    if c.pingpong:
-      plgpu.barrier_wait(s.schedule)  # tensor cores free again
+    _await_turn(c, s, r)  # tensor cores free again
 
   def pv(refs):
     acc_ref, l_ref = refs
@@ -180,7 +213,7 @@ def _step(c: Config, s: Scratch, ss, r: Rows, fixed: bool, m0, i, carry, masked:
   with jax.named_scope("pv"):
     acc, l_new = pl.run_state(pv)((plgpu.ACC.init(acc), plgpu.ACC.init(l) if tc_sum else None))
   l = l_new if tc_sum else l
-  plgpu.barrier_arrive(s.v_free.at[slot])
+  _release(c, s.v_free, slot, "v")
   return (acc, l, l_lse) if fixed else (acc, m, l)
 
 
@@ -248,20 +281,25 @@ def _record_row_max(c: Config, r: Rows, i, row_max):
   plgpu.copy_smem_to_gmem(buf, r.rowmax.at[r.batch, r.head, r.block_of(i), pl.ds(r.row0, c.block_q)])
 
 
-def _drain(c: Config, s: Scratch, ss, i, _):
+def _drain(c: Config, s: Scratch, ss, r: Rows, i, _):
   """Releases block i, which this warpgroup does not need but the other one does (causal). Each thread tracks every
   barrier's phase itself (Mosaic GPU keeps the parities in a per-thread variable), so a warpgroup that goes on to
   another head (heads_per_cta) waits for the drained blocks too: skipping those waits leaves its parities one phase
   behind, so its next head's wait on that slot waits for a load that never comes (most likely the hang seen on an
-  H100 on 2026-12-07 with 64-key blocks, where the two warpgroups' causal ranges differ by a block)."""
+  H100 on 2026-12-07 with 64-key blocks, where the two warpgroups' causal ranges differ by a block). Named barriers
+  wait too: an arrival for a block not yet loaded would complete its slot's barrier for the block before."""
   slot = lax.rem(i, jnp.int32(c.slots))
-  if not c.pingpong or c.heads > 1:  # without the schedule's lockstep, or before another head: wait for the block
+  if not c.pingpong or c.heads > 1 or c.named:  # no lockstep, another head next, or named: wait for the block
     for barrier in (s.k_ready, s.v_ready) + ((ss.kseg_ready,) if c.has_segments else ()):
       plgpu.barrier_wait(barrier.at[slot])
-  plgpu.barrier_arrive(s.k_free.at[slot])
-  plgpu.barrier_arrive(s.v_free.at[slot])
-  turn(c, s)
-  turn(c, s)
+  _release(c, s.k_free, slot, "k")
+  _release(c, s.v_free, slot, "v")
+  if c.named:
+    _pass_turn(c, s, r)
+    _await_turn(c, s, r)
+  else:
+    turn(c, s)
+    turn(c, s)
 
 
 def _add_sink(r: Rows, m, l, l_lse):

@@ -66,6 +66,10 @@
 #                      cap's bound with tokamax's arithmetic (one unrounded sum: clis_cap_unrounded) and with the rounded
 #                      weights' sum on the tensor cores (clis_cap_tc_sum), tokamax with one
 #                      CTA per q tile and its heuristics, 8k and 32k, sink and Gaussian inputs
+#   named              the forward's turns and K/V slot release on hardware named barriers (BlockSizes.named_barriers,
+#                      FA3's and tokamax's) against the mbarrier default: its GPU tests, then Gemma 2's local layer (D 256,
+#                      cap 50, window 4096, GQA 16/8) online and certified with tokamax, and causal GQA 32/8 D 128 with
+#                      cuDNN, 8k and 32k, sinks
 #   context_parallel [N]  context-parallel attention over N GPUs (default 1: the machinery's cost on one) against
 #                      one GPU, CLiS combine against an online ring: causal 32k GQA 32/8 D 128, sinks
 case "$1" in
@@ -230,6 +234,15 @@ case "$1" in
     TAIL=14 step d128_twin 120 python3 scripts/bench_attention.py --suite llm --seq-lens 8192 32768 --tokens 32768 \
         --causal yes --packed no --inputs sinks_many --passes bwd fwd_bwd --impls online online_twin cudnn \
         --repeats 6 --inner 3 --out "$OUT/d128_twin.json" ;;
+  named)
+    TAIL=8 step named_tests 200 timeout -s INT 190 $GPU_TEST tests/test_pallas_mgpu.py -k "named_barriers" --durations 3
+    common=(--causal yes --packed no --inputs sinks_many --passes fwd --repeats 7 --inner 3 --tokens 32768
+            --seq-lens 8192 32768)
+    TAIL=8 step named_gemma2 200 python3 scripts/bench_attention.py --suite llm --llm-heads 16 8 256 --softcap 50 \
+        --window 4096 "${common[@]}" --impls online online_named clis_mgpu_cap clis_cap_named tokamax_streamed \
+        tokamax_mosaic --out "$OUT/named_gemma2.json"
+    TAIL=8 step named_d128 150 python3 scripts/bench_attention.py --suite llm "${common[@]}" \
+        --impls online online_named clis_mgpu clis_mgpu_named cudnn --out "$OUT/named_d128.json" ;;
   gemma2_fwd)
     for inputs in sinks_many gaussian; do
       TAIL=8 step "gemma2_fwd_$inputs" 150 python3 scripts/bench_attention.py --suite llm --llm-heads 16 8 256 \
