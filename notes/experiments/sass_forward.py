@@ -147,8 +147,9 @@ def run(args):
     from clis_kernels import pallas_mgpu
     tiles = dataclasses.replace(pallas_mgpu.default_block_sizes(d, args.seq, q.dtype),
                                 one_memory_warp=args.impl != "ours_four_warps")
+    bound = {} if args.bound is None else dict(bound=args.bound)
     forward = jax.jit(lambda q, k, v: attention(q, k, v, causal=True, implementation="pallas_mgpu",
-                                                stabilizer=args.stabilizer, block_sizes=tiles, **cap))
+                                                stabilizer=args.stabilizer, block_sizes=tiles, **cap, **bound))
   else:
     import tokamax
     forward = jax.jit(lambda q, k, v: tokamax.dot_product_attention(q, k, v, is_causal=True, implementation="mosaic",
@@ -165,6 +166,7 @@ def main():
   r.add_argument("--impl", choices=("ours", "ours_four_warps", "tokamax"), required=True,
                  help="ours_four_warps: BlockSizes(one_memory_warp=False)")
   r.add_argument("--stabilizer", choices=("online", "clis"), default="online", help="ours only")
+  r.add_argument("--bound", default=None, help="ours with --stabilizer clis: the API's bound (e.g. cap)")
   r.add_argument("--softcap", type=float, default=None)
   r.add_argument("--heads", type=int, nargs=3, default=[32, 8, 128], metavar=("HQ", "HKV", "D"))
   r.add_argument("--window", type=int, default=None, help="keys to the left a query sees (causal local window)")

@@ -70,6 +70,9 @@
 #                      FA3's and tokamax's) against the mbarrier default: its GPU tests, then Gemma 2's local layer (D 256,
 #                      cap 50, window 4096, GQA 16/8) online and certified with tokamax, and causal GQA 32/8 D 128 with
 #                      cuDNN, 8k and 32k, sinks
+#   clocks             whether the card's clock explains tokamax's lead at Gemma 2's local layer (D 256, cap 50, window
+#                      4096, GQA 16/8, 8k): each forward sustained alone with nvidia-smi's SM clock and power, the paired
+#                      benchmark at B 1 and B 4, then ncu of our certified cap loop and tokamax's at B 4
 #   context_parallel [N]  context-parallel attention over N GPUs (default 1: the machinery's cost on one) against
 #                      one GPU, CLiS combine against an online ring: causal 32k GQA 32/8 D 128, sinks
 case "$1" in
@@ -243,6 +246,20 @@ case "$1" in
         tokamax_mosaic --out "$OUT/named_gemma2.json"
     TAIL=8 step named_d128 150 python3 scripts/bench_attention.py --suite llm "${common[@]}" \
         --impls online online_named clis_mgpu clis_mgpu_named cudnn --out "$OUT/named_d128.json" ;;
+  clocks)
+    gemma2=(--heads 16 8 256 --softcap 50 --window 4096)
+    TAIL=10 step clocks_gemma2 150 python3 notes/experiments/clocks_under_load.py "${gemma2[@]}" --out "$OUT/clocks_gemma2.json"
+    for tokens in 8192 32768; do
+      TAIL=5 step "gemma2_b_$tokens" 120 python3 scripts/bench_attention.py --suite llm --llm-heads 16 8 256 --softcap 50 \
+          --window 4096 --causal yes --packed no --inputs sinks_many --passes fwd --repeats 7 --inner 3 --seq-lens 8192 \
+          --tokens "$tokens" --impls online clis_mgpu_cap tokamax_streamed --out "$OUT/gemma2_b_$tokens.json"
+    done
+    for impl in ours tokamax; do
+      TAIL=25 step "ncu_gemma2_b4_$impl" 120 timeout -s INT 110 ncu --clock-control none -k "regex:anonymous|flash_attention" \
+          --launch-count 1 --section SpeedOfLight --section InstructionStats --section WarpStateStats \
+          --section SchedulerStats python3 notes/experiments/sass_forward.py run --impl "$impl" "${gemma2[@]}" \
+          --stabilizer clis --bound cap --batch 4 --no-dump --dump-dir /tmp/ncu_dump
+    done ;;
   gemma2_fwd)
     for inputs in sinks_many gaussian; do
       TAIL=8 step "gemma2_fwd_$inputs" 150 python3 scripts/bench_attention.py --suite llm --llm-heads 16 8 256 \
