@@ -145,8 +145,10 @@ def run(args):
   if args.impl.startswith("ours"):
     import dataclasses
     from clis_kernels import pallas_mgpu
+    import ast
+    changes = {key: ast.literal_eval(value) for key, value in (t.split("=", 1) for t in args.tiles)}
     tiles = dataclasses.replace(pallas_mgpu.default_block_sizes(d, args.seq, q.dtype),
-                                one_memory_warp=args.impl != "ours_four_warps")
+                                one_memory_warp=args.impl != "ours_four_warps", **changes)
     bound = {} if args.bound is None else dict(bound=args.bound)
     forward = jax.jit(lambda q, k, v: attention(q, k, v, causal=True, implementation="pallas_mgpu",
                                                 stabilizer=args.stabilizer, block_sizes=tiles, **cap, **bound))
@@ -166,6 +168,8 @@ def main():
   r.add_argument("--impl", choices=("ours", "ours_four_warps", "tokamax"), required=True,
                  help="ours_four_warps: BlockSizes(one_memory_warp=False)")
   r.add_argument("--stabilizer", choices=("online", "clis"), default="online", help="ours only")
+  r.add_argument("--tiles", nargs="*", default=[], metavar="KEY=VALUE",
+                 help="ours: BlockSizes fields changed from the head dim's defaults, e.g. exact_sum=False")
   r.add_argument("--bound", default=None, help="ours with --stabilizer clis: the API's bound (e.g. cap)")
   r.add_argument("--softcap", type=float, default=None)
   r.add_argument("--heads", type=int, nargs=3, default=[32, 8, 128], metavar=("HQ", "HKV", "D"))

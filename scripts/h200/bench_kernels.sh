@@ -73,6 +73,9 @@
 #   clocks             whether the card's clock explains tokamax's lead at Gemma 2's local layer (D 256, cap 50, window
 #                      4096, GQA 16/8, 8k): each forward sustained alone with nvidia-smi's SM clock and power, the paired
 #                      benchmark at B 1 and B 4, then ncu of our certified cap loop and tokamax's at B 4
+#   opcodes            ncu's executed instructions by SASS opcode of Gemma 2's local-layer forward (D 256, cap 50, window
+#                      4096, GQA 16/8, 8k, B 1): ours online, certified (the cap's bound), certified summing the unrounded
+#                      weights (tokamax's arithmetic), and tokamax's
 #   context_parallel [N]  context-parallel attention over N GPUs (default 1: the machinery's cost on one) against
 #                      one GPU, CLiS combine against an online ring: causal 32k GQA 32/8 D 128, sinks
 case "$1" in
@@ -246,6 +249,25 @@ case "$1" in
         tokamax_mosaic --out "$OUT/named_gemma2.json"
     TAIL=8 step named_d128 150 python3 scripts/bench_attention.py --suite llm "${common[@]}" \
         --impls online online_named clis_mgpu clis_mgpu_named cudnn --out "$OUT/named_d128.json" ;;
+  opcodes)
+    gemma2=(--heads 16 8 256 --softcap 50 --window 4096)
+    metrics=(--metrics sass__inst_executed_per_opcode,sm__cycles_elapsed.max,smsp__inst_executed.sum
+             --print-metric-instances values)
+    for variant in "ours online" "ours clis cap" "ours clis cap exact_sum=False" "tokamax online"; do
+      set -- $variant
+      extra=(--stabilizer "$2")
+      [ "${3:-}" = cap ] && extra+=(--bound cap)
+      [ -n "${4:-}" ] && extra+=(--tiles "$4")
+      name="opcodes_${1}_${2}${3:+_$3}${4:+_unrounded}"
+      TAIL=4 step "$name" 120 timeout -s INT 110 ncu --clock-control none -k "regex:anonymous|flash_attention" \
+          --launch-count 1 "${metrics[@]}" python3 notes/experiments/sass_forward.py run --impl "$1" "${gemma2[@]}" \
+          "${extra[@]}" --no-dump --dump-dir /tmp/ncu_dump
+      if grep -q "print-metric-instances" "$OUT/$name.log"; then  # an ncu without the option: the raw page instead
+        TAIL=4 step "${name}_raw" 120 timeout -s INT 110 ncu --clock-control none -k "regex:anonymous|flash_attention" \
+            --launch-count 1 "${metrics[@]:0:2}" --page raw python3 notes/experiments/sass_forward.py run --impl "$1" \
+            "${gemma2[@]}" "${extra[@]}" --no-dump --dump-dir /tmp/ncu_dump
+      fi
+    done ;;
   clocks)
     gemma2=(--heads 16 8 256 --softcap 50 --window 4096)
     TAIL=10 step clocks_gemma2 150 python3 notes/experiments/clocks_under_load.py "${gemma2[@]}" --out "$OUT/clocks_gemma2.json"
