@@ -252,7 +252,7 @@ case "$1" in
   opcodes)
     gemma2=(--heads 16 8 256 --softcap 50 --window 4096)
     metrics=(--metrics sass__inst_executed_per_opcode,sm__cycles_elapsed.max,smsp__inst_executed.sum
-             --print-metric-instances values)
+             --print-metric-instances details)
     for variant in "ours online" "ours clis cap" "ours clis cap exact_sum=False" "tokamax online"; do
       set -- $variant
       extra=(--stabilizer "$2")
