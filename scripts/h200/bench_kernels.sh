@@ -70,6 +70,9 @@
 #                      FA3's and tokamax's) against the mbarrier default: its GPU tests, then Gemma 2's local layer (D 256,
 #                      cap 50, window 4096, GQA 16/8) online and certified with tokamax, and causal GQA 32/8 D 128 with
 #                      cuDNN, 8k and 32k, sinks
+#   stalls             ncu's stall reasons per issued instruction of Gemma 2's local-layer forward at B 4 (the paired
+#                      benchmark's shape, where tokamax leads): ours certified (the cap's bound), the same summing the
+#                      unrounded weights, and tokamax's
 #   clocks             whether the card's clock explains tokamax's lead at Gemma 2's local layer (D 256, cap 50, window
 #                      4096, GQA 16/8, 8k): each forward sustained alone with nvidia-smi's SM clock and power, the paired
 #                      benchmark at B 1 and B 4, then ncu of our certified cap loop and tokamax's at B 4
@@ -267,6 +270,19 @@ case "$1" in
             --launch-count 1 "${metrics[@]:0:2}" --page raw python3 notes/experiments/sass_forward.py run --impl "$1" \
             "${gemma2[@]}" "${extra[@]}" --no-dump --dump-dir /tmp/ncu_dump
       fi
+    done ;;
+  stalls)
+    gemma2=(--heads 16 8 256 --softcap 50 --window 4096 --batch 4)
+    metrics=(--metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,sm__cycles_elapsed.max,smsp__inst_executed.sum")
+    for variant in "ours clis cap exact_sum=False" "ours clis cap" "tokamax online"; do
+      set -- $variant
+      extra=(--stabilizer "$2")
+      [ "${3:-}" = cap ] && extra+=(--bound cap)
+      [ -n "${4:-}" ] && extra+=(--tiles "$4")
+      name="stalls_${1}_${2}${3:+_$3}${4:+_unrounded}"
+      TAIL=30 step "$name" 120 timeout -s INT 110 ncu --clock-control none -k "regex:anonymous|flash_attention" \
+          --launch-count 1 "${metrics[@]}" python3 notes/experiments/sass_forward.py run --impl "$1" "${gemma2[@]}" \
+          "${extra[@]}" --no-dump --dump-dir /tmp/ncu_dump
     done ;;
   clocks)
     gemma2=(--heads 16 8 256 --softcap 50 --window 4096)
