@@ -81,6 +81,21 @@
 #                      weights (tokamax's arithmetic), and tokamax's
 #   context_parallel [N]  context-parallel attention over N GPUs (default 1: the machinery's cost on one) against
 #                      one GPU, CLiS combine against an online ring: causal 32k GQA 32/8 D 128, sinks
+# ncu_forward NAME TAIL "IMPL STABILIZER [cap [TILES]]" NCU_ARGS...: ncu over one launch of sass_forward.py's forward at
+# the shape in ${gemma2[@]} (set by the word), ours (with its stabilizer, the cap's bound, BlockSizes changes) or tokamax's
+sections=(--section SpeedOfLight --section InstructionStats --section WarpStateStats --section SchedulerStats)
+ncu_forward() {
+  local name=$1 tail=$2 impl stabilizer bound tiles
+  read -r impl stabilizer bound tiles <<< "$3"
+  shift 3
+  local extra=(--stabilizer "$stabilizer")
+  [ "$bound" = cap ] && extra+=(--bound cap)
+  [ -n "$tiles" ] && extra+=(--tiles "$tiles")
+  TAIL=$tail step "$name" 120 timeout -s INT 110 ncu --clock-control none -k "regex:anonymous|flash_attention" \
+      --launch-count 1 "$@" python3 notes/experiments/sass_forward.py run --impl "$impl" "${gemma2[@]}" "${extra[@]}" \
+      --no-dump --dump-dir /tmp/ncu_dump
+}
+
 case "$1" in
   bwd_parts)
     TAIL=30 step bwd_parts 300 python3 scripts/profile_backward.py --seq-lens 8192 16384 32768 --tokens 32768 \
@@ -254,35 +269,16 @@ case "$1" in
         --impls online online_named clis_mgpu clis_mgpu_named cudnn --out "$OUT/named_d128.json" ;;
   opcodes)
     gemma2=(--heads 16 8 256 --softcap 50 --window 4096)
-    metrics=(--metrics sass__inst_executed_per_opcode,sm__cycles_elapsed.max,smsp__inst_executed.sum
-             --print-metric-instances details)
-    for variant in "ours online" "ours clis cap" "ours clis cap exact_sum=False" "tokamax online"; do
-      set -- $variant
-      extra=(--stabilizer "$2")
-      [ "${3:-}" = cap ] && extra+=(--bound cap)
-      [ -n "${4:-}" ] && extra+=(--tiles "$4")
-      name="opcodes_${1}_${2}${3:+_$3}${4:+_unrounded}"
-      TAIL=4 step "$name" 120 timeout -s INT 110 ncu --clock-control none -k "regex:anonymous|flash_attention" \
-          --launch-count 1 "${metrics[@]}" python3 notes/experiments/sass_forward.py run --impl "$1" "${gemma2[@]}" \
-          "${extra[@]}" --no-dump --dump-dir /tmp/ncu_dump
-      if grep -q "print-metric-instances" "$OUT/$name.log"; then  # an ncu without the option: the raw page instead
-        TAIL=4 step "${name}_raw" 120 timeout -s INT 110 ncu --clock-control none -k "regex:anonymous|flash_attention" \
-            --launch-count 1 "${metrics[@]:0:2}" --page raw python3 notes/experiments/sass_forward.py run --impl "$1" \
-            "${gemma2[@]}" "${extra[@]}" --no-dump --dump-dir /tmp/ncu_dump
-      fi
+    for v in "ours_online:ours online" "ours_clis_cap:ours clis cap" "unrounded:ours clis cap exact_sum=False" \
+             "tokamax:tokamax online"; do
+      ncu_forward "opcodes_${v%%:*}" 4 "${v#*:}" --metrics \
+          sass__inst_executed_per_opcode,sm__cycles_elapsed.max,smsp__inst_executed.sum --print-metric-instances details
     done ;;
   stalls)
     gemma2=(--heads 16 8 256 --softcap 50 --window 4096 --batch 4)
-    metrics=(--metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,sm__cycles_elapsed.max,smsp__inst_executed.sum")
-    for variant in "ours clis cap exact_sum=False" "ours clis cap" "tokamax online"; do
-      set -- $variant
-      extra=(--stabilizer "$2")
-      [ "${3:-}" = cap ] && extra+=(--bound cap)
-      [ -n "${4:-}" ] && extra+=(--tiles "$4")
-      name="stalls_${1}_${2}${3:+_$3}${4:+_unrounded}"
-      TAIL=30 step "$name" 120 timeout -s INT 110 ncu --clock-control none -k "regex:anonymous|flash_attention" \
-          --launch-count 1 "${metrics[@]}" python3 notes/experiments/sass_forward.py run --impl "$1" "${gemma2[@]}" \
-          "${extra[@]}" --no-dump --dump-dir /tmp/ncu_dump
+    for v in "unrounded:ours clis cap exact_sum=False" "ours_clis_cap:ours clis cap" "tokamax:tokamax online"; do
+      ncu_forward "stalls_${v%%:*}" 30 "${v#*:}" --metrics \
+          "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,sm__cycles_elapsed.max,smsp__inst_executed.sum"
     done ;;
   clocks)
     gemma2=(--heads 16 8 256 --softcap 50 --window 4096)
@@ -292,12 +288,9 @@ case "$1" in
           --window 4096 --causal yes --packed no --inputs sinks_many --passes fwd --repeats 7 --inner 3 --seq-lens 8192 \
           --tokens "$tokens" --impls online clis_mgpu_cap tokamax_streamed --out "$OUT/gemma2_b_$tokens.json"
     done
-    for impl in ours tokamax; do
-      TAIL=25 step "ncu_gemma2_b4_$impl" 120 timeout -s INT 110 ncu --clock-control none -k "regex:anonymous|flash_attention" \
-          --launch-count 1 --section SpeedOfLight --section InstructionStats --section WarpStateStats \
-          --section SchedulerStats python3 notes/experiments/sass_forward.py run --impl "$impl" "${gemma2[@]}" \
-          --stabilizer clis --bound cap --batch 4 --no-dump --dump-dir /tmp/ncu_dump
-    done ;;
+    gemma2+=(--batch 4)
+    ncu_forward ncu_gemma2_b4_ours 25 "ours clis cap" "${sections[@]}"
+    ncu_forward ncu_gemma2_b4_tokamax 25 "tokamax online" "${sections[@]}" ;;
   gemma2_fwd)
     for inputs in sinks_many gaussian; do
       TAIL=8 step "gemma2_fwd_$inputs" 150 python3 scripts/bench_attention.py --suite llm --llm-heads 16 8 256 \
@@ -312,10 +305,7 @@ case "$1" in
           --dump-dir "$OUT/dump_gemma2_$impl"
     done
     for impl in ours tokamax; do
-      TAIL=60 step "ncu_gemma2_$impl" 100 timeout -s INT 90 ncu --clock-control none -k "regex:anonymous|flash_attention" \
-          --launch-count 1 --section SpeedOfLight --section InstructionStats --section WarpStateStats \
-          --section SchedulerStats python3 notes/experiments/sass_forward.py run --impl "$impl" "${gemma2[@]}" \
-          --no-dump --dump-dir /tmp/ncu_dump
+      ncu_forward "ncu_gemma2_$impl" 60 "$impl online" "${sections[@]}"
     done ;;
   tokamax_grid)
     grid=(--causal yes --packed no --inputs sinks_many --passes fwd --repeats 7 --inner 3 --tokens 32768
