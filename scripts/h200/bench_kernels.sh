@@ -273,13 +273,15 @@ case "$1" in
              "tokamax:tokamax online"; do
       ncu_forward "opcodes_${v%%:*}" 4 "${v#*:}" --metrics \
           sass__inst_executed_per_opcode,sm__cycles_elapsed.max,smsp__inst_executed.sum --print-metric-instances details
-    done ;;
+    done
+    python3 notes/experiments/ncu_table.py "$OUT"/opcodes_*.log --top 30 | tee "$OUT/opcodes_table.md" ;;
   stalls)
     gemma2=(--heads 16 8 256 --softcap 50 --window 4096 --batch 4)
     for v in "unrounded:ours clis cap exact_sum=False" "ours_clis_cap:ours clis cap" "tokamax:tokamax online"; do
       ncu_forward "stalls_${v%%:*}" 30 "${v#*:}" --metrics \
           "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,sm__cycles_elapsed.max,smsp__inst_executed.sum"
-    done ;;
+    done
+    python3 notes/experiments/ncu_table.py "$OUT"/stalls_*.log --top 30 | tee "$OUT/stalls_table.md" ;;
   clocks)
     gemma2=(--heads 16 8 256 --softcap 50 --window 4096)
     TAIL=10 step clocks_gemma2 150 python3 notes/experiments/clocks_under_load.py "${gemma2[@]}" --out "$OUT/clocks_gemma2.json"
