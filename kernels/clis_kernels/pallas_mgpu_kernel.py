@@ -63,6 +63,11 @@ class Config:
   named: bool = False  # BlockSizes.named_barriers
 
   @property
+  def barriers(self) -> NamedBarriers:
+    """The hardware barrier ids of the named-barrier schedule (used when `named`)."""
+    return NamedBarriers.for_slots(self.slots)
+
+  @property
   def logit_scale(self) -> float:
     """What turns the loop's Q·Kᵀ (`_capped`) into base-2 logits: σ₂, or cap2 (one multiply fewer per logit)."""
     return self.sigma2 if self.cap2 is None else self.cap2
@@ -304,7 +309,7 @@ def kernel(q_ref, k_ref, v_ref, *refs, config: Config):
       stream_kv(k_ref, v_ref, kseg_ref, s.k, s.v, None if ss is None else ss.kseg, s.k_ready, s.v_ready,
                 None if ss is None else ss.kseg_ready, batch=batch, kv_head=kv_head, block_kv=c.block_kv,
                 num_blocks=num_blocks, slots=c.slots, block_of=block_in_stream,
-                free=named_free(NamedBarriers.for_slots(c.slots)) if c.named else (s.k_free, s.v_free),
+                free=named_free(c.barriers) if c.named else (s.k_free, s.v_free),
                 one_warp=c.one_memory_warp and not c.listed)  # list entries are smem loads, refused in warp code
 
   pl.run_scoped(body, *_scratch(c, dtype, head_dim, v_ref.shape[-1]), collective_axes="wg")

@@ -22,7 +22,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from clis_kernels import masks
 from clis_kernels.common import int32_loop
-from clis_kernels.mgpu_pipeline import CONSUMED_THREADS, SCHEDULE_THREADS, NamedBarriers, finish_stores, named_barrier
+from clis_kernels.mgpu_pipeline import CONSUMED_THREADS, SCHEDULE_THREADS, finish_stores, named_barrier
 from clis_kernels.stabilizer import CAP_TANH_ERROR, EMPTY_LSE, LOG2E
 
 if TYPE_CHECKING:
@@ -50,7 +50,7 @@ def _pass_turn(c: Config, s: Scratch, r: Rows):
   """Once this warpgroup's Q·Kᵀ is issued: the tensor cores go to the other warpgroup (named: arrive on the barrier it
   syncs on before its P·V; else the mbarrier rendezvous)."""
   if c.named:
-    named_barrier("arrive", NamedBarriers.for_slots(c.slots).schedule + 1 - r.wg, SCHEDULE_THREADS)
+    named_barrier("arrive", c.barriers.schedule + 1 - r.wg, SCHEDULE_THREADS)
   else:
     turn(c, s)
 
@@ -58,7 +58,7 @@ def _pass_turn(c: Config, s: Scratch, r: Rows):
 def _await_turn(c: Config, s: Scratch, r: Rows):
   """Before this warpgroup's P·V: wait until the other one has issued its Q·Kᵀ (named), or met it again."""
   if c.named:
-    named_barrier("sync", NamedBarriers.for_slots(c.slots).schedule + r.wg, SCHEDULE_THREADS)
+    named_barrier("sync", c.barriers.schedule + r.wg, SCHEDULE_THREADS)
   elif c.pingpong:
     plgpu.barrier_wait(s.schedule)
 
@@ -66,8 +66,8 @@ def _await_turn(c: Config, s: Scratch, r: Rows):
 def _release(c: Config, free, slot, which: str):
   """This warpgroup has read the slot's K (which "k") or V ("v"): its streaming warp may refill it once both have."""
   if c.named:
-    ids = NamedBarriers.for_slots(c.slots)
-    named_barrier("arrive", (ids.k_free if which == "k" else ids.v_free) + slot, CONSUMED_THREADS)
+    first = c.barriers.k_free if which == "k" else c.barriers.v_free
+    named_barrier("arrive", first + slot, CONSUMED_THREADS)
   else:
     plgpu.barrier_arrive(free.at[slot])
 
@@ -93,7 +93,7 @@ def attend(c: Config, g: Refs, s: Scratch, ss, r: Rows, fixed: bool, m_fixed=Non
            *((l0, lse0) if fixed else (m0, l0)))
   plgpu.barrier_wait(s.k_ready.at[0 if isinstance(r.base, int) else lax.rem(r.base, jnp.int32(c.slots))])
   if c.named:  # warpgroup 1 starts half a step behind warpgroup 0
-    pl.when(r.wg == 1)(lambda: named_barrier("sync", NamedBarriers.for_slots(c.slots).schedule + 1, SCHEDULE_THREADS))
+    pl.when(r.wg == 1)(lambda: named_barrier("sync", c.barriers.schedule + 1, SCHEDULE_THREADS))
   else:
     pl.when(r.wg == 1)(r.turn)
   masked_steps = c.causal or c.kv_len is not None or c.window is not None
@@ -120,8 +120,7 @@ def attend(c: Config, g: Refs, s: Scratch, ss, r: Rows, fixed: bool, m_fixed=Non
   if c.causal:  # blocks the other warpgroup still needs: release them in step with its loop
     int32_loop(r.total, r.cta_blocks, functools.partial(_drain, c, s, ss, r), None)
   if c.named:  # the last turn: warpgroup 1's last P·V
-    pl.when(r.wg == 0)(lambda: named_barrier("arrive", NamedBarriers.for_slots(c.slots).schedule + 1,
-                                             SCHEDULE_THREADS))
+    pl.when(r.wg == 0)(lambda: named_barrier("arrive", c.barriers.schedule + 1, SCHEDULE_THREADS))
   else:
     pl.when(r.wg == 0)(r.turn)
   acc, m, l, l_lse = (carry[0], m0, *carry[1:]) if fixed else (*carry, None)
