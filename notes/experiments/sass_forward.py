@@ -18,7 +18,9 @@ waits sit against the softmax (ptxas moves register-only work across an arrive);
 """
 
 import argparse
+import ast
 import collections
+import dataclasses
 import json
 import os
 import pathlib
@@ -143,9 +145,7 @@ def run(args):
   if args.window is not None:
     cap["local_window_size"] = (args.window, 0)
   if args.impl.startswith("ours"):
-    import dataclasses
     from clis_kernels import pallas_mgpu
-    import ast
     changes = {key: ast.literal_eval(value) for key, value in (t.split("=", 1) for t in args.tiles)}
     tiles = dataclasses.replace(pallas_mgpu.default_block_sizes(d, args.seq, q.dtype),
                                 one_memory_warp=args.impl != "ours_four_warps", **changes)
