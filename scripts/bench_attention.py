@@ -220,7 +220,8 @@ def _heads_per_cta(q, k, v, seg, causal, stabilizer, heads, **kw):
 
 def _forward_tiles(q, k, v, seg, causal, stabilizer, changes: dict, **kw):
   """The Mosaic GPU forward at the head dim's default tiles with `changes` made to them: one_memory_warp=False (the
-  whole memory warpgroup streaming blocks, the default before 2026-12-04) or named_barriers=True."""
+  whole memory warpgroup streaming blocks, the default before 2026-12-04) or named_barriers True (the default at head dim
+  256 since 2026-12-07) or False (mbarriers, the default elsewhere)."""
   tiles = dataclasses.replace(pallas_mgpu.default_block_sizes(q.shape[-1], q.shape[1], q.dtype), **changes)
   return attention(q, k, v, seg, causal=causal, stabilizer=stabilizer, implementation="pallas_mgpu",
                    block_sizes=tiles, **kw)
@@ -320,6 +321,10 @@ def implementations(names, platform, quick):
     table["online_named"] = functools.partial(_forward_tiles, stabilizer="online", changes=named)
     table["clis_mgpu_named"] = functools.partial(_forward_tiles, stabilizer="clis", changes=named)
     table["clis_cap_named"] = functools.partial(_forward_tiles, stabilizer="clis", changes=named, bound="cap")
+    mbarriers = dict(named_barriers=False)
+    table["online_mbarriers"] = functools.partial(_forward_tiles, stabilizer="online", changes=mbarriers)
+    table["clis_cap_mbarriers"] = functools.partial(_forward_tiles, stabilizer="clis", changes=mbarriers, bound="cap")
+    table["clis_mgpu_mbarriers"] = functools.partial(_forward_tiles, stabilizer="clis", changes=mbarriers)
     for heads in (1, 2, 4, 8):
       table[f"online_heads{heads}"] = functools.partial(_heads_per_cta, stabilizer="online", heads=heads)
     table["tokamax_k_start"] = _tokamax_k_start

@@ -8,6 +8,7 @@ present (`pytest tests/test_pallas_mgpu.py` on the device machine; BENCHMARKS.md
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -343,10 +344,16 @@ GPU_CASES = [
 @needs_gpu
 class TestPallasMgpu(AttentionTests):
   """The shared test base on the Mosaic GPU kernels at their default tiles: bfloat16 (the widest dtype they
-  take); float32 cases and head dims over 128 each get one clear error."""
+  take); float32 cases and head dims over 256 each get one clear error."""
   implementation = "pallas_mgpu"
   interpret = False
   block_sizes = pallas_mgpu.BlockSizes()
+
+  def tiles_for(self, head_dim: int):
+    """The plan's default tiles at every head dim: BlockSizes() up to 128, 64-key blocks above (a 128-key block
+    overflows shared memory there and is refused)."""
+    del head_dim
+    return None
 
   @pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
   def test_default_tiles_match_float64(self, case):
@@ -397,6 +404,7 @@ def test_wide_heads_lower_as_mosaic_kernels(d, causal, packed, kw, bound):
 
   text = lower_for_h200(jax.grad(loss, argnums=(0, 1, 2)), q, k, k, seg)
   assert text.count("custom_call @mosaic_gpu") == 3 and text.count("clis_bwd") == 0
+  assert d < 256 or "bar.sync $0, 288;" in text, "head dim 256's forward releases K/V slots on named barriers"
 
 
 def test_wide_backward_launches_one_cta_per_64_rows():
@@ -934,6 +942,25 @@ def test_named_barriers_refuse_kept_tile_lists():
     jax.eval_shape(lambda q, visit: pallas_mgpu.forward_listed(
         q, q, q, visit, None, mode=plan.Mode.ONLINE, scale=0.1, kv_len=None, track=False,
         block_sizes=pallas_mgpu.BlockSizes(named_barriers=True)), q, visit)
+
+
+def test_named_barriers_are_the_default_at_head_dim_256_only():
+  """BlockSizes(named_barriers=None) takes them where they measured faster (head dim 256, q and v alike) and the call
+  fits them; elsewhere, and with a kept-tile list (forward_listed), the mbarrier schedule."""
+  auto = functools.partial(pallas_mgpu.auto_named_barriers, heads=1, listed=False)
+  wide = pallas_mgpu.default_block_sizes(256, 8192, jnp.bfloat16)
+  assert wide.named_barriers is None and auto(wide, head_dim=256, value_head_dim=256)
+  assert not auto(pallas_mgpu.BlockSizes(), head_dim=128, value_head_dim=128)
+  assert not auto(pallas_mgpu.BlockSizes(), head_dim=192, value_head_dim=128)  # MLA
+  assert not auto(wide, head_dim=256, value_head_dim=256, listed=True)
+  assert not auto(wide, head_dim=256, value_head_dim=256, heads=2)
+  for changes in (dict(pingpong=False, overlap=True), dict(one_memory_warp=False), dict(slots=6)):
+    assert not auto(dataclasses.replace(wide, **changes), head_dim=256, value_head_dim=256), changes
+  q = jnp.zeros((1, 256, 2, 256), jnp.bfloat16)
+  visit = jnp.zeros((1, 2, 2, 4), jnp.int32)
+  o = jax.eval_shape(lambda q, visit: pallas_mgpu.forward_listed(
+      q, q, q, visit, None, mode=plan.Mode.ONLINE, scale=0.1, kv_len=None, track=False, block_sizes=wide), q, visit)[0]
+  assert o.shape == q.shape
 
 
 @needs_gpu

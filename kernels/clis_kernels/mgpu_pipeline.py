@@ -21,6 +21,7 @@ COMPUTE_WARPGROUPS = 2
 WARPGROUP_THREADS = 128
 FIRST_NAMED_BARRIER = 4  # Mosaic GPU keeps hardware barriers 0 (the CTA's) and 1-3 (one per warpgroup) for itself
 NAMED_BARRIERS = 16  # hardware barriers per CTA
+MAX_NAMED_SLOTS = (NAMED_BARRIERS - FIRST_NAMED_BARRIER - COMPUTE_WARPGROUPS) // 2  # two barriers a K/V slot
 
 
 class NamedBarriers(NamedTuple):
@@ -35,8 +36,8 @@ class NamedBarriers(NamedTuple):
   @classmethod
   def for_slots(cls, slots: int) -> NamedBarriers:
     k_free = FIRST_NAMED_BARRIER + COMPUTE_WARPGROUPS
-    if k_free + 2 * slots > NAMED_BARRIERS:
-      raise ValueError(f"{slots=} must be at most {(NAMED_BARRIERS - k_free) // 2} with named_barriers=True "
+    if slots > MAX_NAMED_SLOTS:
+      raise ValueError(f"{slots=} must be at most {MAX_NAMED_SLOTS} with named_barriers=True "
                        f"(two hardware barriers a slot, {NAMED_BARRIERS} per CTA)")
     return cls(FIRST_NAMED_BARRIER, k_free, k_free + slots)
 

@@ -40,7 +40,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from clis_kernels import masks
 from clis_kernels.common import out_struct
-from clis_kernels.mgpu_pipeline import COMPUTE_WARPGROUPS, RANGE_WIDTH, NamedBarriers, compiler_params
+from clis_kernels.mgpu_pipeline import COMPUTE_WARPGROUPS, MAX_NAMED_SLOTS, RANGE_WIDTH, NamedBarriers, compiler_params
 from clis_kernels.pallas_mgpu_kernel import FAILED_TILE_M, Config, kernel, list_shape
 from clis_kernels.pallas_mgpu_mainloop import SUM_COLUMNS, TANHS
 from clis_kernels.plan import Mode, stabilizer_inputs
@@ -96,8 +96,8 @@ class BlockSizes:
   its steps read the kept-tile list from shared memory, a load Mosaic GPU refuses inside per-warp code.
   named_barriers: the warpgroups' turns and the K/V slots' release on hardware named barriers (`bar.arrive` /
   `bar.sync`, mgpu_pipeline.NamedBarriers), as FA3 and tokamax's forward do, instead of mbarriers: per step one
-  arrive and one sync for the turn (not two mbarrier arrives and two waits) and one arrive per slot released. Needs
-  pingpong, one_memory_warp and one head per CTA. Measured against the default: notes/kernels.md.
+  arrive and one sync for the turn (not two mbarrier arrives and two waits) and one arrive per slot released. True
+  needs pingpong, one_memory_warp, one head per CTA and no kept-tile list; None (default): `auto_named_barriers`.
   The backward is the registry's choice (plan.py): "pallas_mgpu" takes pallas_mgpu_vjp's,
   "pallas_mgpu_triton_bwd" pallas_gpu_vjp's, each with its own BlockSizes.
   """
@@ -114,7 +114,7 @@ class BlockSizes:
   soft_cap_tanh: str = "approx"
   heads_per_cta: int | None = None
   one_memory_warp: bool = True
-  named_barriers: bool = False
+  named_barriers: bool | None = None
 
   def __post_init__(self):
     if self.named_barriers and not (self.pingpong and self.one_memory_warp and self.heads_per_cta in (None, 1)):
@@ -287,6 +287,18 @@ def auto_heads_per_cta(*, mode: str, group: int, window, listed: bool, split_dim
   return max(n for n in range(1, HEADS_PER_CTA_MAX + 1) if group % n == 0)
 
 
+NAMED_BARRIERS_HEAD_DIM = 256  # auto_named_barriers: the head dim whose forward measured faster with them
+
+
+def auto_named_barriers(bs: BlockSizes, *, head_dim: int, value_head_dim: int, heads: int, listed: bool) -> bool:
+  """The default named_barriers: on at head dim 256 (q and v alike) where the call fits them (ping-pong, one
+  streaming warp, one head per CTA, no kept-tile list, at most 5 slots), else off. H100, 2026-12-07 (BENCHMARKS.md
+  §1, "Named hardware barriers"): Gemma 2's local layer (D 256, cap 50, window 4096) online 1.026 / 1.017x and
+  certified 1.023 / 1.011x the mbarrier schedule at 8k / 32k; D 128 within ±1%, so it keeps mbarriers."""
+  fits = bs.pingpong and bs.one_memory_warp and heads == 1 and not listed and bs.slots <= MAX_NAMED_SLOTS
+  return fits and head_dim == value_head_dim == NAMED_BARRIERS_HEAD_DIM
+
+
 def _check_heads_per_cta(c: Config, q, v):
   """heads_per_cta walks heads of one GQA group with the online loop, q and v of one head dim."""
   if c.group % c.heads:
@@ -324,7 +336,7 @@ def _launch(q, k, v, segment_ids, stab, *, mode: Mode, causal, scale, kv_len, bl
       doc_ranges=bs.document_ranges and causal and segment_ids is not None and visit is None and window is None,
       window=None if window is None else tuple(int(w) for w in window),
       cap2=None if softcap is None else float(softcap) * LOG2E, tanh=bs.soft_cap_tanh, sinks=sinks is not None,
-      one_memory_warp=bs.one_memory_warp, named=bs.named_barriers)
+      one_memory_warp=bs.one_memory_warp, named=bs.named_barriers is True)
   if config.named and config.listed:
     raise ValueError("named_barriers=True takes no kept-tile list (forward_listed streams with four warps): "
                      "use named_barriers=False")
@@ -334,7 +346,9 @@ def _launch(q, k, v, segment_ids, stab, *, mode: Mode, causal, scale, kv_len, bl
   elif heads is None:
     heads = auto_heads_per_cta(mode=mode, group=config.group, window=config.window, listed=config.listed,
                                split_dims=q.shape[-1] != v.shape[-1], head_dim=q.shape[-1])
-  config = dataclasses.replace(config, heads=heads)
+  named = config.named if bs.named_barriers is not None else auto_named_barriers(
+      bs, head_dim=q.shape[-1], value_head_dim=v.shape[-1], heads=heads, listed=config.listed)
+  config = dataclasses.replace(config, heads=heads, named=named)
   if config.heads > 1:
     _check_heads_per_cta(config, q, v)
   args = [q, k, v]

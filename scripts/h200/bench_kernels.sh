@@ -67,9 +67,9 @@
 #                      weights' sum on the tensor cores (clis_cap_tc_sum), tokamax with one
 #                      CTA per q tile and its heuristics, 8k and 32k, sink and Gaussian inputs
 #   named              the forward's turns and K/V slot release on hardware named barriers (BlockSizes.named_barriers,
-#                      FA3's and tokamax's) against the mbarrier default: its GPU tests, then Gemma 2's local layer (D 256,
-#                      cap 50, window 4096, GQA 16/8) online and certified with tokamax, and causal GQA 32/8 D 128 with
-#                      cuDNN, 8k and 32k, sinks
+#                      FA3's and tokamax's; the default at head dim 256) against mbarriers: its GPU tests, then Gemma 2's
+#                      local layer (D 256, cap 50, window 4096, GQA 16/8) online and certified with tokamax, and causal
+#                      GQA 16/8 D 256 with cuDNN, 8k and 32k, sinks
 #   stalls             ncu's stall reasons per issued instruction of Gemma 2's local-layer forward at B 4 (the paired
 #                      benchmark's shape, where tokamax leads): ours certified (the cap's bound), the same summing the
 #                      unrounded weights, and tokamax's
@@ -263,10 +263,10 @@ case "$1" in
     common=(--causal yes --packed no --inputs sinks_many --passes fwd --repeats 7 --inner 3 --tokens 32768
             --seq-lens 8192 32768)
     TAIL=8 step named_gemma2 200 python3 scripts/bench_attention.py --suite llm --llm-heads 16 8 256 --softcap 50 \
-        --window 4096 "${common[@]}" --impls online online_named clis_mgpu_cap clis_cap_named tokamax_streamed \
-        tokamax_mosaic --out "$OUT/named_gemma2.json"
-    TAIL=8 step named_d128 150 python3 scripts/bench_attention.py --suite llm "${common[@]}" \
-        --impls online online_named clis_mgpu clis_mgpu_named cudnn --out "$OUT/named_d128.json" ;;
+        --window 4096 "${common[@]}" --impls online online_mbarriers clis_mgpu_cap clis_cap_mbarriers tokamax_streamed \
+        --out "$OUT/named_gemma2.json"
+    TAIL=8 step named_d256 200 python3 scripts/bench_attention.py --suite llm --llm-heads 16 8 256 "${common[@]}" \
+        --impls online online_mbarriers clis_mgpu clis_mgpu_mbarriers cudnn --out "$OUT/named_d256.json" ;;
   opcodes)
     gemma2=(--heads 16 8 256 --softcap 50 --window 4096)
     for v in "ours_online:ours online" "ours_clis_cap:ours clis cap" "unrounded:ours clis cap exact_sum=False" \
