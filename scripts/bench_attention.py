@@ -141,7 +141,8 @@ FEATURED = ("clis", "online", "clis_blocks", "clis_radius", "clis_cap", "clis_mg
             "cudnn", "clis_triton", "online_triton", "clis_mgpu",
             "online_mgpu", "clis_mgpu_triton_bwd", "online_mgpu_triton_bwd", "clis_exp2_tanh", "online_exp2_tanh",
             "online_heads1", "online_heads2", "online_heads4", "online_heads8", "tokamax_mosaic", "tokamax_triton",
-            "online_four_warps", "clis_mgpu_four_warps", "online_named", "clis_mgpu_named", "clis_cap_named",
+            "online_four_warps", "clis_mgpu_four_warps", "online_named", "clis_mgpu_named", "clis_cap_named", "online_mbarriers",
+            "clis_cap_mbarriers", "clis_mgpu_mbarriers",
             "online_overlap_bwd", "online_serial_bwd",
             "online_dq_overlap_bwd", "online_twin", "tokamax_persistent", "tokamax_streamed")
 

@@ -292,9 +292,11 @@ NAMED_BARRIERS_HEAD_DIM = 256  # auto_named_barriers: the head dim whose forward
 
 def auto_named_barriers(bs: BlockSizes, *, head_dim: int, value_head_dim: int, heads: int, listed: bool) -> bool:
   """The default named_barriers: on at head dim 256 (q and v alike) where the call fits them (ping-pong, one
-  streaming warp, one head per CTA, no kept-tile list, at most 5 slots), else off. H100, 2026-12-07 (BENCHMARKS.md
-  §1, "Named hardware barriers"): Gemma 2's local layer (D 256, cap 50, window 4096) online 1.026 / 1.017x and
-  certified 1.023 / 1.011x the mbarrier schedule at 8k / 32k; D 128 within ±1%, so it keeps mbarriers."""
+  streaming warp, one head per CTA, no kept-tile list, at most 5 slots), else off. H100, 2026-12-08, two runs
+  (BENCHMARKS.md §1, "Named barriers as the default at head dim 256"), against mbarriers at 8k / 32k: causal D 256
+  online 1.026-1.027 / 1.023-1.038x, certified 1.018-1.032 / 0.997-1.002x; Gemma 2's local layer (cap 50, window
+  4096) online 1.023-1.025 / 0.999-1.013x, cap bound 1.024-1.027 / 1.010-1.014x. D 128 within ±1% (2026-12-07),
+  so it keeps mbarriers."""
   fits = bs.pingpong and bs.one_memory_warp and heads == 1 and not listed and bs.slots <= MAX_NAMED_SLOTS
   return fits and head_dim == value_head_dim == NAMED_BARRIERS_HEAD_DIM
 

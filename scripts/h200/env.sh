@@ -22,6 +22,9 @@ step() {
   shift 2
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   echo "== $name: rc=$? =="
+  # pytest-xdist's workers (execnet gateways: python3 -c "import sys;exec(eval(sys.stdin.readline()))") outlive a
+  # pytest stopped by timeout and keep their share of GPU memory, so the next step's allocations fail.
+  pkill -9 -f "[s]ys.stdin.readline" 2>/dev/null
   grep -v -e Warning -e warn "$OUT/$name.log" | tail -"${TAIL:-12}"
 }
 
