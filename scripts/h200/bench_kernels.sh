@@ -73,6 +73,9 @@
 #   stalls             ncu's stall reasons per issued instruction of Gemma 2's local-layer forward at B 4 (the paired
 #                      benchmark's shape, where tokamax leads): ours certified (the cap's bound), the same summing the
 #                      unrounded weights, and tokamax's
+#   stall_sources      ncu's PC sampling per SASS instruction of Gemma 2's local-layer forward at B 4: ours certified (the
+#                      cap's bound; named barriers, the default at D 256, and mbarriers) and tokamax's, summed by opcode
+#                      and wait kind (notes/experiments/stall_sources.py): which wait the long-scoreboard stalls are
 #   clocks             whether the card's clock explains tokamax's lead at Gemma 2's local layer (D 256, cap 50, window
 #                      4096, GQA 16/8, 8k): each forward sustained alone with nvidia-smi's SM clock and power, the paired
 #                      benchmark at B 1 and B 4, then ncu of our certified cap loop and tokamax's at B 4
@@ -282,6 +285,15 @@ case "$1" in
           "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,sm__cycles_elapsed.max,smsp__inst_executed.sum"
     done
     python3 notes/experiments/ncu_table.py "$OUT"/stalls_*.log --top 30 | tee "$OUT/stalls_table.md" ;;
+  stall_sources)
+    gemma2=(--heads 16 8 256 --softcap 50 --window 4096 --batch 4)
+    for v in "ours_clis_cap:ours clis cap" "ours_cap_mbarriers:ours clis cap named_barriers=False" \
+             "tokamax:tokamax online"; do
+      name="sources_${v%%:*}"
+      ncu_forward "$name" 6 "${v#*:}" --section SourceCounters --section WarpStateStats -f -o "$OUT/$name"
+      ncu -i "$OUT/$name.ncu-rep" --page source --csv --print-source sass > "$OUT/$name.csv" 2> "$OUT/$name.err"
+    done
+    python3 notes/experiments/stall_sources.py "$OUT"/sources_*.csv --top 25 | tee "$OUT/sources_table.md" ;;
   clocks)
     gemma2=(--heads 16 8 256 --softcap 50 --window 4096)
     TAIL=10 step clocks_gemma2 150 python3 notes/experiments/clocks_under_load.py "${gemma2[@]}" --out "$OUT/clocks_gemma2.json"
