@@ -141,6 +141,8 @@ def run(args):
   from clis_kernels import attention, testing
   hq, hkv, d = args.heads
   q, k, v, _, _ = testing.inputs("sinks_many", args.batch, args.seq, hq, hkv, d)
+  if args.value_dim is not None:  # MLA: v narrower than q·k
+    v = v[..., :args.value_dim]
   cap = {} if args.softcap is None else dict(logits_soft_cap=args.softcap)
   if args.window is not None:
     cap["local_window_size"] = (args.window, 0)
@@ -174,6 +176,7 @@ def main():
   r.add_argument("--softcap", type=float, default=None)
   r.add_argument("--heads", type=int, nargs=3, default=[32, 8, 128], metavar=("HQ", "HKV", "D"))
   r.add_argument("--window", type=int, default=None, help="keys to the left a query sees (causal local window)")
+  r.add_argument("--value-dim", type=int, default=None, help="v's head dim where it is narrower than q·k's (MLA)")
   r.add_argument("--seq", type=int, default=8192)
   r.add_argument("--batch", type=int, default=1)
   r.add_argument("--calls", type=int, default=1, help="forward calls (ncu profiles the kernel's launches)")

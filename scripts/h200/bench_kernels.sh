@@ -76,6 +76,8 @@
 #   stall_sources      ncu's PC sampling per SASS instruction of Gemma 2's local-layer forward at B 4: ours certified (the
 #                      cap's bound; named barriers, the default at D 256, and mbarriers) and tokamax's, summed by opcode
 #                      and wait kind (notes/experiments/stall_sources.py): which wait the long-scoreboard stalls are
+#   mla_ncu            ncu of MLA's forward (q·k 192 / v 128, 16/16 heads, causal B 1 × 32k, sinks), ours (online, the plan's
+#                      choice) and tokamax's: instructions, cycles, stall reasons, L2 hit rate, DRAM throughput
 #   clocks             whether the card's clock explains tokamax's lead at Gemma 2's local layer (D 256, cap 50, window
 #                      4096, GQA 16/8, 8k): each forward sustained alone with nvidia-smi's SM clock and power, the paired
 #                      benchmark at B 1 and B 4, then ncu of our certified cap loop and tokamax's at B 4
@@ -294,6 +296,13 @@ case "$1" in
       ncu -i "$OUT/$name.ncu-rep" --page source --csv --print-source sass > "$OUT/$name.csv" 2> "$OUT/$name.err"
     done
     python3 notes/experiments/stall_sources.py "$OUT"/sources_*.csv --top 25 | tee "$OUT/sources_table.md" ;;
+  mla_ncu)
+    gemma2=(--heads 16 16 192 --value-dim 128 --seq 32768)
+    for v in "ours_online:ours online" "tokamax:tokamax online"; do
+      ncu_forward "mla_ncu_${v%%:*}" 40 "${v#*:}" --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,\
+sm__cycles_elapsed.max,smsp__inst_executed.sum,lts__t_sector_hit_rate.pct,dram__throughput.avg.pct_of_peak_sustained_elapsed"
+    done
+    python3 notes/experiments/ncu_table.py "$OUT"/mla_ncu_*.log --top 30 | tee "$OUT/mla_ncu_table.md" ;;
   clocks)
     gemma2=(--heads 16 8 256 --softcap 50 --window 4096)
     TAIL=10 step clocks_gemma2 150 python3 notes/experiments/clocks_under_load.py "${gemma2[@]}" --out "$OUT/clocks_gemma2.json"
