@@ -915,7 +915,14 @@ NAMED_CASES = [  # (d, hq, hkv, causal, packed, stabilizer, keywords): Gemma 2's
     (128, 8, 2, True, True, "clis", {}),
     (128, 8, 2, False, False, "online", {}),
     (64, 8, 2, True, False, "online", dict(local_window_size=(128, 0))),
+    (64, 8, 1, True, False, "online", dict(sinks=True)),  # gpt-oss's full layers: D 64, learned sinks
+    (64, 8, 1, True, False, "clis", dict(sinks=True)),
 ]
+
+
+def _named_case_keywords(kw: dict, hq: int) -> dict:
+  """NAMED_CASES' keywords for `attention`: sinks=True stands for learned sink logits [hq] spread over ±3."""
+  return {**kw, "sinks": jnp.linspace(-3.0, 3.0, hq, dtype=jnp.float32)} if kw.get("sinks") is True else kw
 
 
 @pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
@@ -927,6 +934,7 @@ def test_named_barriers_lower_for_the_gpu(d, hq, hkv, causal, packed, stabilizer
   k = jax.ShapeDtypeStruct((1, 512, hkv, d), jnp.bfloat16)
   seg = jax.ShapeDtypeStruct((1, 512), jnp.int32) if packed else None
   tiles = dataclasses.replace(pallas_mgpu.default_block_sizes(d, 512, jnp.bfloat16), named_barriers=True)
+  kw = _named_case_keywords(kw, hq)
   fwd = lambda q, k, v, seg: attention(q, k, v, seg, causal=causal, implementation="pallas_mgpu", platform=HOPPER,
                                        stabilizer=stabilizer, block_sizes=tiles, **kw)
   text = lower_for_h200(fwd, q, k, k, seg)
@@ -974,11 +982,16 @@ def test_named_barriers_change_nothing_on_gpu(d, hq, hkv, causal, packed, stabil
     q, k = q * 4.0, k * 4.0
   seg = packed_segments(seq, 1, seq) if packed else None
   tiles = pallas_mgpu.default_block_sizes(d, seq, jnp.bfloat16)
+  kw = _named_case_keywords(kw, hq)
   got = {named: attention(q, k, v, seg, causal=causal, implementation="pallas_mgpu", stabilizer=stabilizer,
                           block_sizes=dataclasses.replace(tiles, named_barriers=named), **kw) for named in (True, False)}
   np.testing.assert_array_equal(np.asarray(got[True].astype(jnp.float32)), np.asarray(got[False].astype(jnp.float32)))
-  want = ref.attention(q, k, v, do, seg, causal=causal, softcap=kw.get("logits_soft_cap"),
-                       window=kw.get("local_window_size"))[0]
+  if "sinks" in kw:
+    from test_sinks_and_split_heads import dense64
+    want = dense64(q, k, v, seg, kw["sinks"], causal=causal)
+  else:
+    want = ref.attention(q, k, v, do, seg, causal=causal, softcap=kw.get("logits_soft_cap"),
+                         window=kw.get("local_window_size"))[0]
   assert ref.rel_err(got[True], want) < TOLERANCE[jnp.bfloat16][0]
 
 

@@ -70,6 +70,9 @@
 #                      FA3's and tokamax's; the default at head dim 256) against mbarriers: its GPU tests, then Gemma 2's
 #                      local layer (D 256, cap 50, window 4096, GQA 16/8) online and certified with tokamax, and causal
 #                      GQA 16/8 D 256 with cuDNN, 8k and 32k, sinks
+#   named_narrow       named barriers at head dim 64, where a step is half as long as at 128: GPU tests (sinks among them),
+#                      then gpt-oss's full causal layer (GQA 64/8, D 64, learned sinks) online and certified against
+#                      mbarriers, cuDNN and tokamax, 8k and 32k, sinks
 #   stalls             ncu's stall reasons per issued instruction of Gemma 2's local-layer forward at B 4 (the paired
 #                      benchmark's shape, where tokamax leads): ours certified (the cap's bound), the same summing the
 #                      unrounded weights, and tokamax's
@@ -272,6 +275,14 @@ case "$1" in
         --out "$OUT/named_gemma2.json"
     TAIL=8 step named_d256 200 python3 scripts/bench_attention.py --suite llm --llm-heads 16 8 256 "${common[@]}" \
         --impls online online_mbarriers clis_mgpu clis_mgpu_mbarriers cudnn --out "$OUT/named_d256.json" ;;
+  named_narrow)
+    TAIL=8 step named_narrow_tests 200 timeout -s INT 190 $GPU_TEST tests/test_pallas_mgpu.py -k "named_barriers" \
+        --durations 3
+    common=(--causal yes --packed no --inputs sinks_many --passes fwd --repeats 7 --inner 3 --tokens 32768
+            --seq-lens 8192 32768)
+    TAIL=8 step named_gptoss 200 python3 scripts/bench_attention.py --suite llm --llm-heads 64 8 64 --sinks 2 \
+        "${common[@]}" --impls online online_named clis_mgpu clis_mgpu_named cudnn tokamax_mosaic \
+        --out "$OUT/named_gptoss.json" ;;
   opcodes)
     gemma2=(--heads 16 8 256 --softcap 50 --window 4096)
     for v in "ours_online:ours online" "ours_clis_cap:ours clis cap" "unrounded:ours clis cap exact_sum=False" \
