@@ -72,7 +72,13 @@ def summarise(path: pathlib.Path, top: int) -> str:
   address = next(c for c in table[0] if "Address" in c)
   source = next(c for c in table[0] if c.strip() == "Source")
   total = sum(number(r[total_column]) for r in table) or 1.0
-  out = [f"## {path.name}: {total:.0f} samples ({total_column})", "",
+  sums = {c: sum(number(r[c]) for r in table) for c in columns}
+  reasons = sorted((c for c in columns if c.lower().startswith("stall_") and sums[c] > 0), key=lambda c: -sums[c])
+  columns = [c for c in columns if not c.lower().startswith("stall_")] + reasons[:5]  # the five largest reasons
+  out = [f"## {path.name}: {total:.0f} samples ({total_column})", ""]
+  if reasons:
+    out += ["| reason | share |", "|---|---|"] + [f"| {c} | {sums[c] / total:.1%} |" for c in reasons] + [""]
+  out += [
          "| address | SASS | " + " | ".join(columns) + " | share |", "|" + "---|" * (len(columns) + 3)]
   for r in sorted(table, key=lambda r: -number(r[total_column]))[:top]:
     out.append(f"| {r[address]} | `{r[source].strip()}` | " + " | ".join(f"{number(r[c]):.0f}" for c in columns)
