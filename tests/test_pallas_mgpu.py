@@ -405,6 +405,7 @@ def test_wide_heads_lower_as_mosaic_kernels(d, causal, packed, kw, bound):
   text = lower_for_h200(jax.grad(loss, argnums=(0, 1, 2)), q, k, k, seg)
   assert text.count("custom_call @mosaic_gpu") == 3 and text.count("clis_bwd") == 0
   assert d < 256 or "bar.sync $0, 288;" in text, "head dim 256's forward releases K/V slots on named barriers"
+  assert "clis_mgpu_fwd" in text and "clis_mgpu_bwd_dq_wide" in text and "clis_mgpu_bwd_dkv_wide" in text  # for ncu
 
 
 def test_wide_backward_launches_one_cta_per_64_rows():
@@ -445,6 +446,7 @@ def test_mla_lowers_as_mosaic_kernels_with_v_unpadded(d, causal, packed, bound):
   assert text.count("custom_call @mosaic_gpu") == 3 and text.count("clis_bwd") == 0
   assert "tensor<1x1024x4x128xbf16>" in text and "tensor<1x1024x4x192xbf16>" in text  # v at 128, k at 192
   assert "tensor<1x1024x4x256xbf16>" not in text and "tensor<1x1024x8x256xbf16>" not in text
+  assert "clis_mgpu_bwd_dq" in text and "clis_mgpu_bwd_dkv" in text and "bwd_dq_wide" not in text  # named for ncu
 
 
 def test_wide_heads_give_clear_errors():

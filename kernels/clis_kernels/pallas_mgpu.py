@@ -389,6 +389,7 @@ def _launch(q, k, v, segment_ids, stab, *, mode: Mode, causal, scale, kv_len, bl
       num_threads=COMPUTE_WARPGROUPS + 1,
       thread_name="wg",
       compiler_params=compiler_params(),
+      kernel_name="clis_mgpu_fwd_listed" if config.listed else "clis_mgpu_fwd",  # what ncu and nsys show
   )(*args)
   o, lse = outs[:2]
   rowmax = outs[-1] if config.track else None

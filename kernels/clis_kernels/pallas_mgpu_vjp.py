@@ -710,9 +710,11 @@ class Launches:
     self.dq_grid = (num_heads, seq // cta_rows, batch)
     self.dkv_grid = (num_kv_heads, kv_seq // cta_rows, batch)
 
-  def _launch(self, kernel, out_type, grid, names):
+  def _launch(self, kernel, out_type, grid, names, kernel_name: str):
+    """One backward kernel, named for profilers (ncu and nsys show `kernel_name`, "_wide" above head dim 128)."""
     return plgpu.kernel(kernel, out_type=out_type, grid=grid, grid_names=names, num_threads=COMPUTE_WARPGROUPS + 1,
-                        thread_name="wg", compiler_params=compiler_params())
+                        thread_name="wg", compiler_params=compiler_params(),
+                        kernel_name=kernel_name + ("_wide" if self.wide else ""))
 
   def fused(self):
     """(dq, dk, dv) from the one-kernel backward (BlockSizes(fused_dq=True)): dQ reduce-added in f32."""
@@ -722,7 +724,7 @@ class Launches:
         functools.partial(_dkv_kernel, fused_dq=True, split_dq=self.block_sizes.split_dq,
                           overlap=self.block_sizes.overlap_dkv, **self.common),
         (out_struct(k.shape, k.dtype, k), out_struct(v.shape, v.dtype, v)), self.dkv_grid,
-        ("heads", "kv_tiles", "batch"))(*self.dkv_args, dq_acc)
+        ("heads", "kv_tiles", "batch"), "clis_mgpu_bwd_fused")(*self.dkv_args, dq_acc)
     return (dq_acc[...] * self.scale).astype(q.dtype), dk, dv
 
   def _kernels(self):
@@ -737,7 +739,8 @@ class Launches:
     q = self.q
     kernel, _, common = self._kernels()
     return self._launch(functools.partial(kernel, kv_len=self.kv_len, overlap=self.block_sizes.overlap_dq, **common),
-                        out_struct(q.shape, q.dtype, q), self.dq_grid, ("heads", "q_tiles", "batch"))(*self.dq_args)
+                        out_struct(q.shape, q.dtype, q), self.dq_grid, ("heads", "q_tiles", "batch"),
+                        "clis_mgpu_bwd_dq")(*self.dq_args)
 
   def dkv(self):
     """(dk, dv) from the dK/dV kernel (rows = keys)."""
@@ -746,7 +749,7 @@ class Launches:
     return self._launch(functools.partial(kernel, overlap=self.block_sizes.overlap_dkv,
                                           dv_with_dp=self.block_sizes.dv_with_dp, **common),
                         (out_struct(k.shape, k.dtype, k), out_struct(v.shape, v.dtype, v)), self.dkv_grid,
-                        ("heads", "kv_tiles", "batch"))(*self.dkv_args)
+                        ("heads", "kv_tiles", "batch"), "clis_mgpu_bwd_dkv")(*self.dkv_args)
 
 
 def _q_block_ends(segment_ids, *, cta_rows: int):

@@ -99,7 +99,7 @@ ncu_forward() {
   local extra=(--stabilizer "$stabilizer")
   [ "$bound" = cap ] && extra+=(--bound cap)
   [ -n "$tiles" ] && extra+=(--tiles "$tiles")
-  TAIL=$tail step "$name" 120 timeout -s INT 110 ncu --clock-control none -k "regex:anonymous|flash_attention" \
+  TAIL=$tail step "$name" 120 timeout -s INT 110 ncu --clock-control none -k "regex:clis_mgpu_fwd|flash_attention" \
       --launch-count 1 "$@" python3 notes/experiments/sass_forward.py run --impl "$impl" "${gemma2[@]}" "${extra[@]}" \
       --no-dump --dump-dir /tmp/ncu_dump
 }
@@ -210,11 +210,11 @@ case "$1" in
       done
     done
     # ncu last (a profile cut off by its time limit left the GPU unusable to the next process), the attention kernel
-    # alone: ours is Pallas' anonymous_N, tokamax's flash_attention_sm90
+    # alone: ours is clis_mgpu_fwd, tokamax's flash_attention_sm90
     for impl in ours tokamax; do
       for cap in none 50; do
         name="${impl}_cap$cap" capflag=(); [ "$cap" = none ] || capflag=(--softcap "$cap")
-        TAIL=50 step "ncu_$name" 100 timeout -s INT 90 ncu --clock-control none -k "regex:anonymous|flash_attention" \
+        TAIL=50 step "ncu_$name" 100 timeout -s INT 90 ncu --clock-control none -k "regex:clis_mgpu_fwd|flash_attention" \
             --launch-count 1 --section SpeedOfLight --section InstructionStats --section WarpStateStats \
             --section SchedulerStats --section Occupancy python3 notes/experiments/sass_forward.py run \
             --impl "$impl" "${capflag[@]}" --no-dump --dump-dir /tmp/ncu_dump
