@@ -158,8 +158,12 @@ def run(args):
     import tokamax
     forward = jax.jit(lambda q, k, v: tokamax.dot_product_attention(q, k, v, is_causal=True, implementation="mosaic",
                                                                     **cap))
+  if args.backward:  # the forward and its VJP: the backward's kernels run too (ncu -k regex:clis_mgpu_bwd_dkv)
+    step = jax.jit(lambda q, k, v: jax.vjp(forward, q, k, v)[1](forward(q, k, v)))
+  else:
+    step = forward
   for _ in range(args.calls):
-    jax.block_until_ready(forward(q, k, v))
+    jax.block_until_ready(step(q, k, v))
   print("dumped:", sorted(p.name for p in dump_dir.iterdir()))
 
 
@@ -180,6 +184,7 @@ def main():
   r.add_argument("--seq", type=int, default=8192)
   r.add_argument("--batch", type=int, default=1)
   r.add_argument("--calls", type=int, default=1, help="forward calls (ncu profiles the kernel's launches)")
+  r.add_argument("--backward", action="store_true", help="run the backward too (its kernels for ncu's -k)")
   r.add_argument("--dump-dir", required=True)
   r.add_argument("--no-dump", action="store_true", help="run without the dump switches (under ncu)")
   d = sub.add_parser("sass")

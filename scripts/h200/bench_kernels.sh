@@ -81,6 +81,8 @@
 #                      and wait kind (notes/experiments/stall_sources.py): which wait the long-scoreboard stalls are
 #   mla_ncu            ncu of MLA's forward (q·k 192 / v 128, 16/16 heads, causal B 1 × 32k, sinks), ours (online, the plan's
 #                      choice) and tokamax's: instructions, cycles, stall reasons, L2 hit rate, DRAM throughput
+#   mla_dkv_l2         ncu of MLA's dK/dV kernel alone (clis_mgpu_bwd_dkv, q·k 192 / v 128, 16/16 heads, causal 8k, sinks) at
+#                      B 1 and B 4: L2 hit rate, L2 and DRAM reads, cycles, the main stall reasons (why B 4 runs slower)
 #   clocks             whether the card's clock explains tokamax's lead at Gemma 2's local layer (D 256, cap 50, window
 #                      4096, GQA 16/8, 8k): each forward sustained alone with nvidia-smi's SM clock and power, the paired
 #                      benchmark at B 1 and B 4, then ncu of our certified cap loop and tokamax's at B 4
@@ -314,6 +316,17 @@ case "$1" in
 sm__cycles_elapsed.max,smsp__inst_executed.sum,lts__t_sector_hit_rate.pct,dram__throughput.avg.pct_of_peak_sustained_elapsed"
     done
     python3 notes/experiments/ncu_table.py "$OUT"/mla_ncu_*.log --top 30 | tee "$OUT/mla_ncu_table.md" ;;
+  mla_dkv_l2)
+    # the dK/dV kernel alone (ncu -k) at B 1 and B 4 × 8k: its L2 hit rate, DRAM traffic and cycles by batch
+    for b in 1 4; do
+      TAIL=30 step "mla_dkv_l2_b$b" 150 timeout -s INT 140 ncu --clock-control none -k "regex:clis_mgpu_bwd_dkv" \
+          --launch-count 1 --metrics "sm__cycles_elapsed.max,smsp__inst_executed.sum,lts__t_sector_hit_rate.pct,\
+lts__t_sectors_srcunit_tex_op_read.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,\
+regex:smsp__average_warps_issue_stalled_(long_scoreboard|barrier|wait|short_scoreboard)_per_issue_active\.ratio" \
+          python3 notes/experiments/sass_forward.py run --impl ours --heads 16 16 192 --value-dim 128 --seq 8192 \
+          --batch "$b" --backward --no-dump --dump-dir /tmp/ncu_dump
+    done
+    python3 notes/experiments/ncu_table.py "$OUT"/mla_dkv_l2_b*.log --top 30 | tee "$OUT/mla_dkv_l2_table.md" ;;
   clocks)
     gemma2=(--heads 16 8 256 --softcap 50 --window 4096)
     TAIL=10 step clocks_gemma2 150 python3 notes/experiments/clocks_under_load.py "${gemma2[@]}" --out "$OUT/clocks_gemma2.json"
