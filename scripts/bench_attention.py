@@ -141,9 +141,8 @@ FEATURED = ("clis", "online", "clis_blocks", "clis_radius", "clis_cap", "clis_mg
             "cudnn", "clis_triton", "online_triton", "clis_mgpu",
             "online_mgpu", "clis_mgpu_triton_bwd", "online_mgpu_triton_bwd", "clis_exp2_tanh", "online_exp2_tanh",
             "online_heads1", "online_heads2", "online_heads4", "online_heads8", "tokamax_mosaic", "tokamax_triton",
-            "online_four_warps", "clis_mgpu_four_warps", "online_named", "clis_mgpu_named", "clis_cap_named", "online_mbarriers",
-            "clis_cap_mbarriers", "clis_mgpu_mbarriers",
-            "online_overlap_bwd", "online_serial_bwd",
+            "online_four_warps", "clis_mgpu_four_warps", "online_named", "clis_mgpu_named", "clis_cap_named",
+            "online_mbarriers", "clis_cap_mbarriers", "clis_mgpu_mbarriers", "online_overlap_bwd", "online_serial_bwd",
             "online_dq_overlap_bwd", "online_twin", "tokamax_persistent", "tokamax_streamed")
 
 
@@ -222,7 +221,7 @@ def _heads_per_cta(q, k, v, seg, causal, stabilizer, heads, **kw):
 def _forward_tiles(q, k, v, seg, causal, stabilizer, changes: dict, **kw):
   """The Mosaic GPU forward at the head dim's default tiles with `changes` made to them: one_memory_warp=False (the
   whole memory warpgroup streaming blocks, the default before 2026-12-04) or named_barriers True (the default at head dim
-  256 since 2026-12-07) or False (mbarriers, the default elsewhere)."""
+  256 since 2026-12-08) or False (mbarriers, the default elsewhere)."""
   tiles = dataclasses.replace(pallas_mgpu.default_block_sizes(q.shape[-1], q.shape[1], q.dtype), **changes)
   return attention(q, k, v, seg, causal=causal, stabilizer=stabilizer, implementation="pallas_mgpu",
                    block_sizes=tiles, **kw)
